@@ -1,0 +1,58 @@
+# Detects optional dependencies. Each sets EPCOMM_HAVE_<X> (ON/OFF); a backend that is not built reports
+# kNotBuilt at run time through the factory.
+include(CheckLanguage)
+
+set(EPCOMM_HAVE_CUDA OFF)
+if(EPCOMM_WITH_CUDA)
+  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+    set(CMAKE_CUDA_ARCHITECTURES 90)
+  endif()
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    enable_language(CUDA)
+    set(CMAKE_CUDA_STANDARD 17)
+    set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+    find_package(CUDAToolkit REQUIRED)
+    set(EPCOMM_HAVE_CUDA ON)
+  else()
+    message(STATUS "epcomm: no CUDA compiler found; GPU backends are not built")
+  endif()
+endif()
+
+# NCCL: only the benchmark's baseline uses it. Search the toolkit and the nvidia-nccl pip wheel.
+set(EPCOMM_HAVE_NCCL OFF)
+if(EPCOMM_HAVE_CUDA)
+  execute_process(COMMAND python3 -c "import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))"
+                  OUTPUT_VARIABLE _epcomm_nvidia_site OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+  find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} ${_epcomm_nvidia_site}/nvidia/nccl/include
+            ${_epcomm_nvidia_site}/nvidia/cu13/include)
+  find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS ${CUDAToolkit_LIBRARY_DIR}
+               ${_epcomm_nvidia_site}/nvidia/nccl/lib ${_epcomm_nvidia_site}/nvidia/cu13/lib)
+  if(NCCL_INCLUDE_DIR AND NCCL_LIBRARY)
+    set(EPCOMM_HAVE_NCCL ON)
+  endif()
+endif()
+
+set(EPCOMM_HAVE_LIBFABRIC OFF)
+if(EPCOMM_WITH_LIBFABRIC)
+  find_path(LIBFABRIC_INCLUDE_DIR rdma/fabric.h)
+  find_library(LIBFABRIC_LIBRARY NAMES fabric libfabric.so.1)
+  if(LIBFABRIC_INCLUDE_DIR AND LIBFABRIC_LIBRARY)
+    set(EPCOMM_HAVE_LIBFABRIC ON)
+  else()
+    message(STATUS "epcomm: libfabric headers/library not found (apt-get install libfabric-dev)")
+  endif()
+endif()
+
+set(EPCOMM_HAVE_VERBS OFF)
+if(EPCOMM_WITH_VERBS)
+  find_path(VERBS_INCLUDE_DIR infiniband/verbs.h)
+  find_library(VERBS_LIBRARY NAMES ibverbs libibverbs.so.1)
+  if(VERBS_INCLUDE_DIR AND VERBS_LIBRARY)
+    set(EPCOMM_HAVE_VERBS ON)
+  else()
+    message(STATUS "epcomm: libibverbs headers/library not found (apt-get install libibverbs-dev)")
+  endif()
+endif()
+
+set(EPCOMM_HAVE_NVSHMEM OFF)

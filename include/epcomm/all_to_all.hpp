@@ -1,0 +1,101 @@
+// The AllToAll interface: MoE dispatch and combine, with a send/recv split, on one of several backends.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "epcomm/bootstrap.hpp"
+#include "epcomm/config.hpp"
+#include "epcomm/tensor.hpp"
+
+namespace epcomm {
+
+/// Arguments of AllToAll::dispatch. Shapes use m = x.shape[0] <= maxNumTokens, K, L = E / W,
+/// R = Config::batchedRowsPerExpert(), P = Config::packedRows(), S = hiddenDimScaleBytes / 4 (fp32 scales).
+///
+/// Semantics (SPEC 2.1): the tokens of this rank's DP group whose index t < boundM are sent by rank
+/// group*D + t % D, once per distinct expert among indices[t, :] (-1 = no expert; a repeated expert is
+/// delivered once and its weights are all applied in combine). On the expert's rank, rows are ordered by
+/// (sending rank, token index).
+struct DispatchArgs {
+  /// [L] int32, written: tokens received per local expert (unpadded counts).
+  TensorView outExpertNumTokens;
+  /// Batched: [L, R, hiddenDimBytes / itemsize]; packed: [P, hiddenDimBytes / itemsize]. Any dtype; rows
+  /// contiguous inside, row stride a multiple of 16 bytes.
+  TensorView outExpertX;
+  /// Batched [L, R, S] or packed [P, S], any strides; required iff hiddenDimScaleBytes > 0.
+  TensorView outExpertXScale;
+  /// [m, hiddenDimBytes / itemsize], any dtype, rows contiguous inside, row stride a multiple of 16 bytes.
+  TensorView x;
+  /// [m, S] fp32 (or any 4-byte dtype), any strides; required iff hiddenDimScaleBytes > 0.
+  TensorView xScale;
+  /// [m, K] int32 / uint32 / int64, any strides. -1 (all ones for uint32) = masked.
+  TensorView indices;
+  /// Optional int32 scalar in the backend's memory (device memory for GPU backends): tokens >= *boundM are
+  /// ignored. Lets a CUDA graph run with a varying token count. nullptr = m.
+  const int32_t* boundM = nullptr;
+  bool doSend = true;  ///< Run the send half (never blocks).
+  bool doRecv = true;  ///< Run the receive half (waits for the peers' data).
+  void* stream = nullptr;  ///< cudaStream_t for GPU backends; ignored by the host backend.
+};
+
+/// Arguments of AllToAll::combine. Must follow a dispatch on the same object (it reuses its routing).
+///
+/// outTokens[t, :] (+)= sum over k with indices[t, k] != -1 of weights[t, k] * expertY[slot(t, k), :],
+/// accumulated in fp32 in a fixed order, for t < boundM on every rank of the DP group. Rows >= boundM are
+/// not written.
+struct CombineArgs {
+  /// [m, H] bf16 / fp16 / fp32, rows contiguous inside.
+  TensorView outTokens;
+  /// [m, K], the same indices that were dispatched.
+  TensorView indices;
+  /// [m, K] fp32, any strides.
+  TensorView weights;
+  /// Layout of outExpertX with H elements per row: batched [L, R, H] or packed [P, H]; bf16 / fp16 / fp32.
+  TensorView expertY;
+  const int32_t* boundM = nullptr;  ///< As in DispatchArgs.
+  bool doSend = true;
+  bool doRecv = true;
+  bool accumulate = false;  ///< Add to outTokens instead of overwriting it.
+  void* stream = nullptr;
+};
+
+/// One MoE communication object. Not thread-safe; dispatch and combine alternate. Several objects may be in
+/// flight at once (micro-batches). Calls on GPU backends are stream-ordered and never synchronise the host.
+/// Errors detected by a kernel or a background thread are thrown by the next call on the object.
+class AllToAll {
+ public:
+  virtual ~AllToAll() = default;
+  AllToAll(const AllToAll&) = delete;
+  AllToAll& operator=(const AllToAll&) = delete;
+
+  /// Validates every tensor against the config, then sends and/or receives. See DispatchArgs.
+  virtual void dispatch(const DispatchArgs& args) = 0;
+  /// Validates every tensor, then sends and/or receives the expert outputs. See CombineArgs.
+  virtual void combine(const CombineArgs& args) = 0;
+  /// Blocks until the object's outstanding work is finished (host: joins; GPU: stream sync) and rethrows any
+  /// recorded error. Not needed between calls; useful before destruction in tests.
+  virtual void synchronize() = 0;
+
+  virtual const Config& config() const = 0;
+  /// "nvlink", "nvshmem", "proxy" or "host".
+  virtual const char* backendName() const = 0;
+  /// Bytes of communication buffers this object allocated (device and pinned host), for the planner.
+  virtual uint64_t bufferBytes() const = 0;
+
+ protected:
+  AllToAll() = default;
+};
+
+/// Backends this build contains, in preference order ("nvlink", "nvshmem", "proxy", "host").
+std::vector<std::string> builtBackends();
+
+/// Creates an AllToAll on `backend` ("auto": the first built backend the machine can run, e.g. nvlink when all
+/// ranks see GPUs on one node, host without GPUs). Collective over `bootstrap`. Throws kNotBuilt for a backend
+/// this build lacks, kUnavailable when the machine cannot run it, kInvalidConfig for a bad config.
+std::unique_ptr<AllToAll> createAllToAll(const Config& config, Bootstrap& bootstrap,
+                                         const std::string& backend = "auto");
+
+}  // namespace epcomm

@@ -1,0 +1,62 @@
+// The configuration of one AllToAll object (SPEC 2.1).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace epcomm {
+
+/// Layout of the dispatch output (and of the combine input expertY).
+enum class Layout : int {
+  /// `[L, batchedRowsPerExpert, ...]`: each local expert owns a fixed block of rows (pplx-kernels, vLLM).
+  kBatched = 0,
+  /// `[packedRows, ...]`: experts back to back, expert e's rows start at the sum of the earlier experts'
+  /// counts, each rounded up to `expertPadding`.
+  kPacked = 1,
+};
+
+/// "batched" / "packed".
+const char* layoutName(Layout layout);
+
+/// Everything that sizes an AllToAll object. Plain data; `validate()` checks it.
+///
+/// Experts are placed in contiguous blocks: rank r holds experts [r*L, (r+1)*L) with L = numExperts / worldSize.
+/// A DP group is `dpSize` consecutive ranks holding identical tokens; each token is dispatched once per group.
+struct Config {
+  uint32_t maxNumTokens = 0;         ///< Max tokens per rank per call (m <= maxNumTokens).
+  uint32_t numExperts = 0;           ///< E, total experts over all ranks.
+  uint32_t expertsPerToken = 0;      ///< K, the router's top-k.
+  uint32_t worldSize = 0;            ///< W, number of ranks.
+  uint32_t rank = 0;                 ///< This rank, in [0, W).
+  uint32_t dpSize = 1;               ///< D, ranks per DP group (W % D == 0).
+  uint32_t hiddenDim = 0;            ///< H, elements per token of the combine (expertY, outTokens).
+  uint32_t hiddenDimBytes = 0;       ///< Dispatch payload bytes per token (any dtype), multiple of 16.
+  uint32_t hiddenDimScaleBytes = 0;  ///< Dispatch scale bytes per token (0 = no scales), multiple of 4.
+  uint32_t expertPadding = 1;        ///< Row alignment of each expert's segment (power of two).
+  Layout layout = Layout::kBatched;  ///< Layout of outExpertX / expertY.
+
+  /// Throws Error(kInvalidConfig) naming the first bad field and its value.
+  void validate() const;
+
+  uint32_t numLocalExperts() const { return numExperts / worldSize; }  ///< L = E / W
+  uint32_t numDpGroups() const { return worldSize / dpSize; }          ///< G = W / D
+  uint32_t dpGroup() const { return rank / dpSize; }                   ///< This rank's DP group.
+  /// Rows per expert in the batched layout: maxNumTokens * G rounded up to expertPadding.
+  uint64_t batchedRowsPerExpert() const;
+  /// Rows of the packed layout: the most any rank can receive, with padding.
+  uint64_t packedRows() const;
+  /// Rows of outExpertX / expertY in the configured layout (dimension 0 of packed, L*dim1 of batched).
+  uint64_t expertRows() const;
+
+  /// One-line description: "E=256 K=8 H=7168 bytes=7168 scale=224 T=128 W=8 D=1 pad=1 batched rank=0".
+  std::string toString() const;
+};
+
+/// The standard configurations of SPEC 3 by name (decode, prefill, small, qwen3), with `worldSize`, `dpSize`
+/// and `rank` set from the arguments. Throws kInvalidArgument for an unknown name.
+Config standardConfig(const std::string& name, uint32_t worldSize, uint32_t rank = 0, uint32_t dpSize = 1);
+
+/// Names accepted by standardConfig, in SPEC order.
+const char* const* standardConfigNames(int* count);
+
+}  // namespace epcomm

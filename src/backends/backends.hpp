@@ -1,0 +1,22 @@
+// Entry points of the backends, called only by the factory (src/api/factory.cc). A backend that is built
+// defines EPCOMM_HAVE_<NAME>_BACKEND on the epcomm target.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "epcomm/all_to_all.hpp"
+
+namespace epcomm {
+namespace backends {
+
+/// Local (non-collective) check whether this process can run the backend; on false, *whyNot says why.
+bool hostUsable(std::string* whyNot);
+/// Collective: creates the host backend object (CPU loops + TransferEngine).
+std::unique_ptr<AllToAll> createHost(const Config& config, Bootstrap& bootstrap);
+
+bool nvlinkUsable(std::string* whyNot);
+std::unique_ptr<AllToAll> createNvlink(const Config& config, Bootstrap& bootstrap);
+
+}  // namespace backends
+}  // namespace epcomm

@@ -1,0 +1,82 @@
+#include "core/env.hpp"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "core/log.hpp"
+#include "epcomm/error.hpp"
+
+extern char** environ;
+
+namespace epcomm {
+
+const std::vector<EnvVar>& envVars() {
+  static const std::vector<EnvVar> vars = {
+      {"EPCOMM_LOG_LEVEL", "warn", "error, warn, info or debug"},
+      {"EPCOMM_TIMEOUT_MS", "10000", "bound of every wait (host and GPU); a timeout names the peer and phase"},
+      {"EPCOMM_BOOTSTRAP", "", "host:port of rank 0's TCP rendezvous"},
+      {"EPCOMM_RANK", "-1", "this process's rank for the TCP rendezvous"},
+      {"EPCOMM_WORLD_SIZE", "-1", "number of ranks for the TCP rendezvous"},
+      {"EPCOMM_LOCAL_RANK", "-1", "rank within the node; selects the CUDA device"},
+      {"EPCOMM_BACKEND", "auto", "backend chosen by the factory: auto, nvlink, nvshmem, proxy, host"},
+      {"EPCOMM_FABRIC_PROVIDER", "", "libfabric provider for the TransferEngine (empty: probe efa, verbs, tcp, shm)"},
+      {"EPCOMM_PRIVATE_TOKENS", "-1", "host/proxy backend: tokens in each sender's private area (-1: derived)"},
+      {"EPCOMM_PROXY_CPU", "-1", "core to pin the progress/proxy thread to (-1: not pinned)"},
+      {"EPCOMM_NVLINK_BLOCKS", "0", "nvlink backend: thread blocks per kernel (0: automatic)"},
+  };
+  return vars;
+}
+
+static const EnvVar& findVar(const char* name) {
+  for (const EnvVar& v : envVars()) {
+    if (std::strcmp(v.name, name) == 0) return v;
+  }
+  EPCOMM_THROW(kInternal, "environment variable " << name << " is not declared in src/core/env.cc");
+}
+
+std::string envString(const char* name) {
+  const EnvVar& var = findVar(name);
+  const char* value = std::getenv(name);
+  return value != nullptr ? std::string(value) : std::string(var.defaultValue);
+}
+
+int64_t envInt(const char* name) {
+  std::string value = envString(name);
+  if (value.empty()) return 0;
+  char* end = nullptr;
+  long long parsed = std::strtoll(value.c_str(), &end, 10);
+  EPCOMM_CHECK(end != nullptr && *end == '\0', kInvalidArgument,
+               "environment variable " << name << "='" << value << "' is not an integer");
+  return parsed;
+}
+
+static Env readEnv() {
+  Env e;
+  e.logLevel = envString("EPCOMM_LOG_LEVEL");
+  e.timeoutMs = envInt("EPCOMM_TIMEOUT_MS");
+  EPCOMM_CHECK(e.timeoutMs > 0, kInvalidArgument, "EPCOMM_TIMEOUT_MS must be positive, got " << e.timeoutMs);
+  e.bootstrap = envString("EPCOMM_BOOTSTRAP");
+  e.rank = static_cast<int>(envInt("EPCOMM_RANK"));
+  e.worldSize = static_cast<int>(envInt("EPCOMM_WORLD_SIZE"));
+  e.localRank = static_cast<int>(envInt("EPCOMM_LOCAL_RANK"));
+  e.backend = envString("EPCOMM_BACKEND");
+  e.fabricProvider = envString("EPCOMM_FABRIC_PROVIDER");
+  e.privateTokens = envInt("EPCOMM_PRIVATE_TOKENS");
+  e.proxyCpu = static_cast<int>(envInt("EPCOMM_PROXY_CPU"));
+  e.nvlinkBlocks = static_cast<int>(envInt("EPCOMM_NVLINK_BLOCKS"));
+  for (char** p = environ; p != nullptr && *p != nullptr; ++p) {
+    if (std::strncmp(*p, "EPCOMM_", 7) != 0) continue;
+    std::string name(*p, std::strchr(*p, '=') != nullptr ? std::strchr(*p, '=') - *p : std::strlen(*p));
+    bool known = false;
+    for (const EnvVar& v : envVars()) known = known || name == v.name;
+    if (!known) EPCOMM_LOG(kWarn, "unknown environment variable " << name << " (see README for the list)");
+  }
+  return e;
+}
+
+const Env& env() {
+  static const Env e = readEnv();
+  return e;
+}
+
+}  // namespace epcomm

@@ -1,0 +1,214 @@
+#include "core/validate.hpp"
+
+#include <string>
+
+#include "epcomm/error.hpp"
+
+namespace epcomm {
+
+namespace {
+
+std::string where(MemoryKind memory, int device) {
+  return memory == MemoryKind::kCuda ? "cuda:" + std::to_string(device) : std::string("host");
+}
+
+void checkMemory(const char* name, const TensorView& t, MemoryKind memory, int device) {
+  EPCOMM_CHECK(t.data != nullptr, kInvalidArgument, name << " has a null data pointer");
+  EPCOMM_CHECK(t.memory == memory && (memory == MemoryKind::kHost || t.device == device), kInvalidArgument,
+               name << " lives in " << where(t.memory, t.device) << " memory but this backend needs "
+                    << where(memory, device));
+}
+
+void checkDims(const char* name, const TensorView& t, int ndim) {
+  EPCOMM_CHECK(t.ndim == ndim, kInvalidArgument,
+               name << " must have " << ndim << " dimensions, got " << t.toString());
+}
+
+void checkDim(const char* name, const TensorView& t, int d, int64_t expected, const char* meaning) {
+  EPCOMM_CHECK(t.shape[d] == expected, kInvalidArgument,
+               name << " dimension " << d << " must be " << expected << " (" << meaning << "), got " << t.toString());
+}
+
+void checkInnerContiguous(const char* name, const TensorView& t) {
+  EPCOMM_CHECK(t.strides[t.ndim - 1] == 1, kInvalidArgument,
+               name << " must be contiguous in its last dimension, got " << t.toString());
+}
+
+void checkAligned(const char* name, const TensorView& t, int64_t alignBytes) {
+  EPCOMM_CHECK(reinterpret_cast<uintptr_t>(t.data) % alignBytes == 0, kInvalidArgument,
+               name << " data pointer " << t.data << " is not " << alignBytes << "-byte aligned");
+  const int64_t item = dtypeSize(t.dtype);
+  for (int d = 0; d + 1 < t.ndim; ++d) {
+    EPCOMM_CHECK((t.strides[d] * item) % alignBytes == 0, kInvalidArgument,
+                 name << " stride " << d << " (" << t.strides[d] * item << " bytes) is not a multiple of "
+                      << alignBytes << " bytes: " << t.toString());
+  }
+}
+
+void checkNonNegativeStrides(const char* name, const TensorView& t) {
+  for (int d = 0; d < t.ndim; ++d) {
+    EPCOMM_CHECK(t.strides[d] >= 0, kInvalidArgument, name << " has a negative stride: " << t.toString());
+  }
+}
+
+// Checks the expert-side tensor (outExpertX / expertY / outExpertXScale) for the configured layout; `cols` is
+// the expected last dimension. Returns {expert stride, row stride} in elements.
+void checkExpertTensor(const Config& c, const char* name, const TensorView& t, int64_t cols, const char* colMeaning) {
+  if (c.layout == Layout::kBatched) {
+    checkDims(name, t, 3);
+    checkDim(name, t, 0, c.numLocalExperts(), "local experts L = E / W");
+    checkDim(name, t, 1, static_cast<int64_t>(c.batchedRowsPerExpert()), "rows per expert");
+    checkDim(name, t, 2, cols, colMeaning);
+  } else {
+    checkDims(name, t, 2);
+    checkDim(name, t, 0, static_cast<int64_t>(c.packedRows()), "packed rows");
+    checkDim(name, t, 1, cols, colMeaning);
+  }
+  checkNonNegativeStrides(name, t);
+}
+
+void checkIndices(const Config& c, const char* name, const TensorView& t, int64_t m) {
+  checkDims(name, t, 2);
+  checkDim(name, t, 0, m, "tokens m");
+  checkDim(name, t, 1, c.expertsPerToken, "experts per token K");
+  checkNonNegativeStrides(name, t);
+  (void)indexKindOf(t.dtype);
+}
+
+}  // namespace
+
+int indexKindOf(DType dtype) {
+  switch (dtype) {
+    case DType::kI32: return 0;
+    case DType::kU32: return 1;
+    case DType::kI64: return 2;
+    default: break;
+  }
+  EPCOMM_THROW(kInvalidArgument, "indices must be int32, uint32 or int64, got " << dtypeName(dtype));
+}
+
+CheckedDispatch checkDispatchArgs(const Config& c, const DispatchArgs& a, MemoryKind memory, int device) {
+  CheckedDispatch out;
+  EPCOMM_CHECK(a.doSend || a.doRecv, kInvalidArgument, "dispatch called with doSend = doRecv = false");
+  const bool wantScale = c.hiddenDimScaleBytes > 0;
+  const int64_t scaleCols = c.hiddenDimScaleBytes / 4;
+  if (a.doSend) {
+    checkMemory("x", a.x, memory, device);
+    checkDims("x", a.x, 2);
+    const int64_t item = dtypeSize(a.x.dtype);
+    EPCOMM_CHECK(item > 0, kInvalidArgument, "x has an invalid dtype");
+    EPCOMM_CHECK(a.x.shape[0] <= c.maxNumTokens, kInvalidArgument,
+                 "x has " << a.x.shape[0] << " tokens, more than maxNumTokens = " << c.maxNumTokens);
+    EPCOMM_CHECK(a.x.shape[1] * item == c.hiddenDimBytes, kInvalidArgument,
+                 "x rows are " << a.x.shape[1] * item << " bytes (" << a.x.toString() << ") but hiddenDimBytes = "
+                               << c.hiddenDimBytes);
+    checkInnerContiguous("x", a.x);
+    checkAligned("x", a.x, 16);
+    out.m = static_cast<uint32_t>(a.x.shape[0]);
+    out.xRowStrideBytes = a.x.strides[0] * item;
+    checkMemory("indices", a.indices, memory, device);
+    checkIndices(c, "indices", a.indices, out.m);
+    out.indexKind = indexKindOf(a.indices.dtype);
+    out.indexStrides[0] = a.indices.strides[0];
+    out.indexStrides[1] = a.indices.strides[1];
+    if (wantScale) {
+      EPCOMM_CHECK(a.xScale.defined(), kInvalidArgument,
+                   "xScale is required: hiddenDimScaleBytes = " << c.hiddenDimScaleBytes);
+      checkMemory("xScale", a.xScale, memory, device);
+      checkDims("xScale", a.xScale, 2);
+      EPCOMM_CHECK(dtypeSize(a.xScale.dtype) == 4, kInvalidArgument,
+                   "xScale must have a 4-byte dtype (fp32), got " << a.xScale.toString());
+      checkDim("xScale", a.xScale, 0, out.m, "tokens m");
+      checkDim("xScale", a.xScale, 1, scaleCols, "hiddenDimScaleBytes / 4");
+      checkNonNegativeStrides("xScale", a.xScale);
+      out.scaleStrides[0] = a.xScale.strides[0];
+      out.scaleStrides[1] = a.xScale.strides[1];
+    } else {
+      EPCOMM_CHECK(!a.xScale.defined(), kInvalidArgument, "xScale given but hiddenDimScaleBytes = 0");
+    }
+  }
+  if (a.doRecv) {
+    checkMemory("outExpertNumTokens", a.outExpertNumTokens, memory, device);
+    checkDims("outExpertNumTokens", a.outExpertNumTokens, 1);
+    checkDim("outExpertNumTokens", a.outExpertNumTokens, 0, c.numLocalExperts(), "local experts L = E / W");
+    EPCOMM_CHECK(a.outExpertNumTokens.dtype == DType::kI32, kInvalidArgument,
+                 "outExpertNumTokens must be int32, got " << dtypeName(a.outExpertNumTokens.dtype));
+    EPCOMM_CHECK(a.outExpertNumTokens.strides[0] == 1, kInvalidArgument, "outExpertNumTokens must be contiguous");
+    checkMemory("outExpertX", a.outExpertX, memory, device);
+    const int64_t item = dtypeSize(a.outExpertX.dtype);
+    EPCOMM_CHECK(item > 0 && c.hiddenDimBytes % item == 0, kInvalidArgument,
+                 "outExpertX has dtype " << dtypeName(a.outExpertX.dtype) << " that does not divide hiddenDimBytes");
+    checkExpertTensor(c, "outExpertX", a.outExpertX, c.hiddenDimBytes / item, "hiddenDimBytes / itemsize");
+    checkInnerContiguous("outExpertX", a.outExpertX);
+    checkAligned("outExpertX", a.outExpertX, 16);
+    if (c.layout == Layout::kBatched) {
+      out.outExpertStrideBytes = a.outExpertX.strides[0] * item;
+      out.outRowStrideBytes = a.outExpertX.strides[1] * item;
+    } else {
+      out.outRowStrideBytes = a.outExpertX.strides[0] * item;
+    }
+    if (wantScale) {
+      EPCOMM_CHECK(a.outExpertXScale.defined(), kInvalidArgument,
+                   "outExpertXScale is required: hiddenDimScaleBytes = " << c.hiddenDimScaleBytes);
+      checkMemory("outExpertXScale", a.outExpertXScale, memory, device);
+      EPCOMM_CHECK(dtypeSize(a.outExpertXScale.dtype) == 4, kInvalidArgument,
+                   "outExpertXScale must have a 4-byte dtype (fp32), got " << a.outExpertXScale.toString());
+      checkExpertTensor(c, "outExpertXScale", a.outExpertXScale, scaleCols, "hiddenDimScaleBytes / 4");
+      for (int d = 0; d < a.outExpertXScale.ndim; ++d) out.outScaleStrides[d] = a.outExpertXScale.strides[d];
+    } else {
+      EPCOMM_CHECK(!a.outExpertXScale.defined(), kInvalidArgument,
+                   "outExpertXScale given but hiddenDimScaleBytes = 0");
+    }
+  }
+  return out;
+}
+
+CheckedCombine checkCombineArgs(const Config& c, const CombineArgs& a, MemoryKind memory, int device) {
+  CheckedCombine out;
+  EPCOMM_CHECK(a.doSend || a.doRecv, kInvalidArgument, "combine called with doSend = doRecv = false");
+  if (a.doSend) {
+    checkMemory("expertY", a.expertY, memory, device);
+    EPCOMM_CHECK(a.expertY.dtype == DType::kBf16 || a.expertY.dtype == DType::kF16 || a.expertY.dtype == DType::kF32,
+                 kInvalidArgument, "expertY must be bf16, fp16 or fp32, got " << dtypeName(a.expertY.dtype));
+    checkExpertTensor(c, "expertY", a.expertY, c.hiddenDim, "hiddenDim H");
+    checkInnerContiguous("expertY", a.expertY);
+    checkAligned("expertY", a.expertY, 16);
+    if (c.layout == Layout::kBatched) {
+      out.yExpertStride = a.expertY.strides[0];
+      out.yRowStride = a.expertY.strides[1];
+    } else {
+      out.yRowStride = a.expertY.strides[0];
+    }
+  }
+  if (a.doRecv) {
+    checkMemory("outTokens", a.outTokens, memory, device);
+    checkDims("outTokens", a.outTokens, 2);
+    EPCOMM_CHECK(a.outTokens.dtype == DType::kBf16 || a.outTokens.dtype == DType::kF16 ||
+                     a.outTokens.dtype == DType::kF32,
+                 kInvalidArgument, "outTokens must be bf16, fp16 or fp32, got " << dtypeName(a.outTokens.dtype));
+    EPCOMM_CHECK(a.outTokens.shape[0] <= c.maxNumTokens, kInvalidArgument,
+                 "outTokens has " << a.outTokens.shape[0] << " tokens, more than maxNumTokens = " << c.maxNumTokens);
+    checkDim("outTokens", a.outTokens, 1, c.hiddenDim, "hiddenDim H");
+    checkInnerContiguous("outTokens", a.outTokens);
+    checkAligned("outTokens", a.outTokens, 16);
+    out.m = static_cast<uint32_t>(a.outTokens.shape[0]);
+    out.outRowStride = a.outTokens.strides[0];
+    checkMemory("indices", a.indices, memory, device);
+    checkIndices(c, "indices", a.indices, out.m);
+    out.indexKind = indexKindOf(a.indices.dtype);
+    out.indexStrides[0] = a.indices.strides[0];
+    out.indexStrides[1] = a.indices.strides[1];
+    checkMemory("weights", a.weights, memory, device);
+    checkDims("weights", a.weights, 2);
+    EPCOMM_CHECK(a.weights.dtype == DType::kF32, kInvalidArgument,
+                 "weights must be fp32, got " << dtypeName(a.weights.dtype));
+    checkDim("weights", a.weights, 0, out.m, "tokens m");
+    checkDim("weights", a.weights, 1, c.expertsPerToken, "experts per token K");
+    checkNonNegativeStrides("weights", a.weights);
+    out.weightStrides[0] = a.weights.strides[0];
+    out.weightStrides[1] = a.weights.strides[1];
+  }
+  return out;
+}
+
+}  // namespace epcomm

@@ -1,0 +1,5 @@
+#include "epcomm/version.hpp"
+
+namespace epcomm {
+const char* versionString() { return "0.1.0"; }
+}  // namespace epcomm
