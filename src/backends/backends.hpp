@@ -20,3 +20,14 @@ std::unique_ptr<AllToAll> createNvlink(const Config& config, Bootstrap& bootstra
 
 }  // namespace backends
 }  // namespace epcomm
+
+#include <vector>
+#include "epcomm/plan.hpp"
+
+namespace epcomm {
+namespace backends {
+/// The backend's own buffers for a config (the planner adds the caller's outputs). Pure arithmetic, no allocation.
+std::vector<PlannedBuffer> planHost(const Config& config);
+std::vector<PlannedBuffer> planNvlink(const Config& config);
+}  // namespace backends
+}  // namespace epcomm
