@@ -37,8 +37,8 @@ std::string mib(uint64_t bytes) {
 
 std::vector<PlannedBuffer> planBuffers(const Config& config, const std::string& backend) {
   config.validate();
-  const bool known = backend.empty() || backend == "nvlink" || backend == "nvshmem" || backend == "proxy" ||
-                     backend == "host";
+  const bool known =
+      backend.empty() || backend == "nvlink" || backend == "nvshmem" || backend == "proxy" || backend == "host";
   EPCOMM_CHECK(known, kInvalidArgument,
                "unknown backend '" << backend << "' for the planner (nvlink, nvshmem, proxy, host, or empty)");
   const Config& c = config;
@@ -55,8 +55,8 @@ std::vector<PlannedBuffer> planBuffers(const Config& config, const std::string& 
     plan.push_back({"outputs", "outExpertXScale", memory, rows * c.hiddenDimScaleBytes,
                     shapeNote(c, "S=" + std::to_string(c.hiddenDimScaleBytes / 4), "fp32")});
   }
-  plan.push_back({"outputs", "expertY", memory, rows * c.hiddenDim * 2,
-                  shapeNote(c, "H=" + std::to_string(c.hiddenDim), "bf16")});
+  plan.push_back(
+      {"outputs", "expertY", memory, rows * c.hiddenDim * 2, shapeNote(c, "H=" + std::to_string(c.hiddenDim), "bf16")});
   plan.push_back({"outputs", "outTokens", memory, static_cast<uint64_t>(c.maxNumTokens) * c.hiddenDim * 2,
                   "bf16 [T=" + std::to_string(c.maxNumTokens) + ", H=" + std::to_string(c.hiddenDim) + "]"});
 
@@ -96,8 +96,7 @@ std::string formatPlan(const Config& config, const std::string& backend, const s
     for (const auto& row : cells) width[i] = std::max(width[i], row[i].size());
   }
   std::ostringstream oss;
-  oss << "epcomm plan: " << config.toString() << " backend=" << (backend.empty() ? "(outputs only)" : backend)
-      << "\n";
+  oss << "epcomm plan: " << config.toString() << " backend=" << (backend.empty() ? "(outputs only)" : backend) << "\n";
   auto emit = [&](const std::vector<std::string>& row) {
     for (int i = 0; i < 6; ++i) {
       // Numbers are right-aligned, text left-aligned; the last column is not padded.
@@ -108,8 +107,8 @@ std::string formatPlan(const Config& config, const std::string& backend, const s
     oss << "\n";
   };
   emit({headers[0], headers[1], headers[2], headers[3], headers[4], headers[5]});
-  emit({std::string(width[0], '-'), std::string(width[1], '-'), std::string(width[2], '-'),
-        std::string(width[3], '-'), std::string(width[4], '-'), std::string(width[5], '-')});
+  emit({std::string(width[0], '-'), std::string(width[1], '-'), std::string(width[2], '-'), std::string(width[3], '-'),
+        std::string(width[4], '-'), std::string(width[5], '-')});
   for (const auto& row : cells) emit(row);
   oss << "total per GPU (rank): " << mib(total) << " MiB (" << total << " bytes)";
   if (!byMemory.empty()) {

@@ -105,7 +105,9 @@ EPCOMM_HD uint16_t floatToBf16(float f) {
 EPCOMM_HD float bf16ToFloat(uint16_t h) { return bitsFloat(static_cast<uint32_t>(h) << 16); }
 
 /// fp32 -> IEEE fp16 bits, round to nearest even; overflow gives inf.
-EPCOMM_HD uint16_t floatToF16(float f) { return static_cast<uint16_t>(detail::encodeSmallFloat<5, 10, true>(f, false)); }
+EPCOMM_HD uint16_t floatToF16(float f) {
+  return static_cast<uint16_t>(detail::encodeSmallFloat<5, 10, true>(f, false));
+}
 /// fp16 bits -> fp32 (exact).
 EPCOMM_HD float f16ToFloat(uint16_t h) { return detail::decodeSmallFloat<5, 10, true>(h); }
 
@@ -128,12 +130,18 @@ EPCOMM_HD float fp8E5M2ToFloat(uint8_t b) { return detail::decodeSmallFloat<5, 2
 /// Element `i` of a float tensor of dtype `dtype` (bf16, fp16, fp32, fp8 e4m3 / e5m2) as fp32; 0 for other dtypes.
 EPCOMM_HD float loadAsFloat(DType dtype, const void* base, int64_t i) {
   switch (dtype) {
-    case DType::kF32: return static_cast<const float*>(base)[i];
-    case DType::kBf16: return bf16ToFloat(static_cast<const uint16_t*>(base)[i]);
-    case DType::kF16: return f16ToFloat(static_cast<const uint16_t*>(base)[i]);
-    case DType::kFp8E4M3: return fp8E4M3ToFloat(static_cast<const uint8_t*>(base)[i]);
-    case DType::kFp8E5M2: return fp8E5M2ToFloat(static_cast<const uint8_t*>(base)[i]);
-    default: return 0.0f;
+    case DType::kF32:
+      return static_cast<const float*>(base)[i];
+    case DType::kBf16:
+      return bf16ToFloat(static_cast<const uint16_t*>(base)[i]);
+    case DType::kF16:
+      return f16ToFloat(static_cast<const uint16_t*>(base)[i]);
+    case DType::kFp8E4M3:
+      return fp8E4M3ToFloat(static_cast<const uint8_t*>(base)[i]);
+    case DType::kFp8E5M2:
+      return fp8E5M2ToFloat(static_cast<const uint8_t*>(base)[i]);
+    default:
+      return 0.0f;
   }
 }
 
@@ -141,12 +149,23 @@ EPCOMM_HD float loadAsFloat(DType dtype, const void* base, int64_t i) {
 /// left untouched.
 EPCOMM_HD void storeFromFloat(DType dtype, void* base, int64_t i, float v) {
   switch (dtype) {
-    case DType::kF32: static_cast<float*>(base)[i] = v; break;
-    case DType::kBf16: static_cast<uint16_t*>(base)[i] = floatToBf16(v); break;
-    case DType::kF16: static_cast<uint16_t*>(base)[i] = floatToF16(v); break;
-    case DType::kFp8E4M3: static_cast<uint8_t*>(base)[i] = floatToFp8E4M3(v); break;
-    case DType::kFp8E5M2: static_cast<uint8_t*>(base)[i] = floatToFp8E5M2(v); break;
-    default: break;
+    case DType::kF32:
+      static_cast<float*>(base)[i] = v;
+      break;
+    case DType::kBf16:
+      static_cast<uint16_t*>(base)[i] = floatToBf16(v);
+      break;
+    case DType::kF16:
+      static_cast<uint16_t*>(base)[i] = floatToF16(v);
+      break;
+    case DType::kFp8E4M3:
+      static_cast<uint8_t*>(base)[i] = floatToFp8E4M3(v);
+      break;
+    case DType::kFp8E5M2:
+      static_cast<uint8_t*>(base)[i] = floatToFp8E5M2(v);
+      break;
+    default:
+      break;
   }
 }
 

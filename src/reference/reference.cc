@@ -1,6 +1,7 @@
 #include "reference/reference.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "core/dtype_convert.hpp"
@@ -16,9 +17,9 @@ namespace {
 // The effective token count of one rank: *boundM (host memory) when given, else m.
 int32_t effectiveBound(const int32_t* boundM, int64_t m, size_t rank, const char* op) {
   if (boundM == nullptr) return static_cast<int32_t>(m);
-  EPCOMM_CHECK(*boundM >= 0 && *boundM <= m, kInvalidArgument,
-               "reference " << op << ": rank " << rank << " has boundM = " << *boundM << " outside [0, m = " << m
-                            << "]");
+  EPCOMM_CHECK(
+      *boundM >= 0 && *boundM <= m, kInvalidArgument,
+      "reference " << op << ": rank " << rank << " has boundM = " << *boundM << " outside [0, m = " << m << "]");
   return *boundM;
 }
 
@@ -55,7 +56,7 @@ Routing buildRouting(const Config& config, const std::vector<TensorView>& indice
   const uint32_t E = config.numExperts;
   EPCOMM_CHECK(indices.size() == W && boundM.size() == W, kInvalidArgument,
                "reference routing: need indices and boundM for " << W << " ranks, got " << indices.size() << " and "
-                                                                  << boundM.size());
+                                                                 << boundM.size());
   // Every index every rank will read, range-checked before anything else.
   for (uint32_t r = 0; r < W; ++r) {
     for (int64_t t = 0; t < boundM[r]; ++t) {
@@ -204,10 +205,49 @@ void combine(const Config& config, const std::vector<CombineArgs>& args) {
                                  : static_cast<int64_t>(slot.row) * yc.yRowStride;
         for (uint32_t h = 0; h < H; ++h) acc[h] += w * loadAsFloat(y.dtype, y.data, yOff + h);
       }
-      for (uint32_t h = 0; h < H; ++h) storeFromFloat(a.outTokens.dtype, a.outTokens.data, t * cc.outRowStride + h, acc[h]);
+      for (uint32_t h = 0; h < H; ++h)
+        storeFromFloat(a.outTokens.dtype, a.outTokens.data, t * cc.outRowStride + h, acc[h]);
     }
   }
 }
+
+std::vector<int32_t> randomIndices(const Config& config, uint32_t m, uint64_t seed) {
+  const uint32_t E = config.numExperts, K = config.expertsPerToken;
+  EPCOMM_CHECK(K <= E && E > 0, kInvalidArgument, "randomIndices: K = " << K << " must be in [1, E = " << E << "]");
+  // splitmix64: tiny, and unlike std:: distributions its output is the same with every standard library.
+  uint64_t state = seed;
+  auto next = [&state] {
+    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  std::vector<int32_t> experts(E);
+  std::vector<int32_t> out(static_cast<size_t>(m) * K);
+  for (uint32_t t = 0; t < m; ++t) {
+    for (uint32_t e = 0; e < E; ++e) experts[e] = static_cast<int32_t>(e);
+    // Partial Fisher-Yates: the first K entries are a uniform K-subset in uniform order.
+    for (uint32_t k = 0; k < K; ++k) {
+      const uint32_t j = k + static_cast<uint32_t>((static_cast<unsigned __int128>(next()) * (E - k)) >> 64);
+      std::swap(experts[k], experts[j]);
+      out[static_cast<size_t>(t) * K + k] = experts[k];
+    }
+  }
+  return out;
+}
+
+HostTensor::HostTensor(DType dtype, std::initializer_list<int64_t> shape) {
+  view_ = TensorView::contiguous(nullptr, dtype, shape);
+  bytes_ = static_cast<size_t>(view_.numel()) * dtypeSize(dtype);
+  const size_t alloc = roundUpPow2(bytes_ > 0 ? bytes_ : 1, 64);
+  void* p = std::aligned_alloc(64, alloc);
+  EPCOMM_CHECK(p != nullptr, kSystem, "HostTensor: cannot allocate " << alloc << " bytes for " << view_.toString());
+  std::memset(p, 0, alloc);
+  storage_.reset(p);
+  view_.data = p;
+}
+
+void HostTensor::Free::operator()(void* p) const { std::free(p); }
 
 }  // namespace reference
 }  // namespace epcomm

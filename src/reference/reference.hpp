@@ -2,7 +2,10 @@
 // It is the oracle of every backend test, so it is written for obviousness, not speed.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <initializer_list>
+#include <memory>
 #include <vector>
 
 #include "epcomm/all_to_all.hpp"
@@ -46,6 +49,33 @@ void dispatch(const Config& config, const std::vector<DispatchArgs>& args);
 /// (accumulate ? out : 0) + sum_k weights[t,k] * expertY[slot(t,k)], in fp32, k ascending, then rounded to the
 /// output dtype (round to nearest even).
 void combine(const Config& config, const std::vector<CombineArgs>& args);
+
+/// Uniform random top-K routing without repeats (SPEC 3): row-major [m, K] int32 expert indices in [0, E), from
+/// `seed` (the same seed gives the same routing on every platform).
+std::vector<int32_t> randomIndices(const Config& config, uint32_t m, uint64_t seed);
+
+/// An owned, zero-filled, 64-byte aligned, contiguous host tensor; for tests, tools and benchmarks that feed the
+/// reference. Move-only.
+class HostTensor {
+ public:
+  HostTensor() = default;
+  HostTensor(DType dtype, std::initializer_list<int64_t> shape);
+  /// The contiguous view of the whole tensor (host memory).
+  TensorView view() const { return view_; }
+  template <typename T>
+  T* data() const {
+    return static_cast<T*>(view_.data);
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  struct Free {
+    void operator()(void* p) const;
+  };
+  std::unique_ptr<void, Free> storage_;
+  TensorView view_;
+  size_t bytes_ = 0;
+};
 
 }  // namespace reference
 }  // namespace epcomm
