@@ -23,6 +23,11 @@ const std::vector<EnvVar>& envVars() {
       {"EPCOMM_PRIVATE_TOKENS", "-1", "host/proxy backend: tokens in each sender's private area (-1: derived)"},
       {"EPCOMM_PROXY_CPU", "-1", "core to pin the progress/proxy thread to (-1: not pinned)"},
       {"EPCOMM_NVLINK_BLOCKS", "0", "nvlink backend: thread blocks per kernel (0: automatic)"},
+      {"EPCOMM_FABRIC_DOMAIN", "", "libfabric domain (interface) for the TransferEngine, e.g. lo (empty: first IPv4)"},
+      {"EPCOMM_IB_DEVICE", "", "libibverbs TransferEngine: RDMA device name (empty: first device)"},
+      {"EPCOMM_IB_PORT", "1", "libibverbs TransferEngine: port number"},
+      {"EPCOMM_IB_GID_INDEX", "0", "libibverbs TransferEngine: GID index (RoCE needs the right one, often 3)"},
+      {"EPCOMM_IB_SL", "0", "libibverbs TransferEngine: InfiniBand service level"},
   };
   return vars;
 }
