@@ -1,0 +1,390 @@
+"""epcomm.AllToAll: MoE dispatch and combine with pplx-kernels' argument names, on any DLPack tensors."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, List, Optional, Tuple, Union
+
+from . import _C, _torch_ops
+from ._bootstrap import make_bootstrap
+from ._tensors import TypedArray, check_combine, check_dispatch, invalid_argument, is_torch_tensor
+
+# The module object itself (None without torch): dispatch()/combine() test isinstance against it, which
+# torch.compile traces without a graph break.
+_torch = _torch_ops.torch
+
+__all__ = ["AllToAll", "make_config", "Plan", "plan"]
+
+_TORCH_DTYPES = {
+    "u8": "uint8",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp32": "float32",
+    "int32": "int32",
+    "uint32": "uint32",
+    "int64": "int64",
+}
+# numpy has no bf16 / fp8: those are allocated as same-size integers and wrapped in TypedArray.
+_NUMPY_STORAGE = {
+    "u8": ("uint8", False),
+    "fp8_e4m3": ("uint8", True),
+    "fp8_e5m2": ("uint8", True),
+    "bf16": ("uint16", True),
+    "fp16": ("float16", False),
+    "fp32": ("float32", False),
+    "int32": ("int32", False),
+    "uint32": ("uint32", False),
+    "int64": ("int64", False),
+}
+_TORCH_REINTERPRET = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
+
+
+def make_config(max_num_tokens: int, num_experts: int, experts_per_token: int, rank: int, world_size: int,
+                dp_size: int, hidden_dim: int, hidden_dim_bytes: int, hidden_dim_scale_bytes: int,
+                expert_padding: int = 1, layout: str = "batched") -> "_C.Config":
+    """A validated Config from pplx-style arguments; raises epcomm.Error(code='invalid_config')."""
+    cfg = _C.Config()
+    cfg.max_num_tokens = max_num_tokens
+    cfg.num_experts = num_experts
+    cfg.experts_per_token = experts_per_token
+    cfg.rank = rank
+    cfg.world_size = world_size
+    cfg.dp_size = dp_size
+    cfg.hidden_dim = hidden_dim
+    cfg.hidden_dim_bytes = hidden_dim_bytes
+    cfg.hidden_dim_scale_bytes = hidden_dim_scale_bytes
+    cfg.expert_padding = expert_padding
+    cfg.layout = _C.layout_from_name(layout) if isinstance(layout, str) else layout
+    cfg.validate()
+    return cfg
+
+
+class Plan:
+    """The planner's answer: `buffers` (list of epcomm._C.PlannedBuffer), `total_bytes`, and str() = the table."""
+
+    def __init__(self, cfg: "_C.Config", backend: str):
+        self.config = cfg
+        self.backend = backend
+        self.buffers: List["_C.PlannedBuffer"] = _C.plan_buffers(cfg, backend)
+        self.table: str = _C.format_plan(cfg, backend, self.buffers)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.bytes for b in self.buffers)
+
+    def __str__(self) -> str:
+        return self.table
+
+    def __repr__(self) -> str:
+        return f"Plan({self.config!r}, backend={self.backend!r}, {len(self.buffers)} buffers)"
+
+
+def plan(config: Union["_C.Config", str, None] = None, backend: str = "", **kwargs: Any) -> Plan:
+    """Every buffer a configuration needs, before anything is allocated.
+
+    ``plan(cfg, "nvlink")``, ``plan("decode", "nvlink", world_size=8)`` (a standard config by name, keyword
+    arguments world_size / rank / dp_size), or ``plan(backend="host", max_num_tokens=..., ...)`` with the
+    AllToAll constructor's config arguments. ``print(plan(...))`` prints the table.
+    """
+    if isinstance(config, str):
+        cfg = _C.standard_config(config, kwargs.pop("world_size", 1), kwargs.pop("rank", 0), kwargs.pop("dp_size", 1))
+        for key, value in kwargs.items():
+            setattr(cfg, key, _C.layout_from_name(value) if key == "layout" else value)
+    elif config is None:
+        kwargs.setdefault("rank", 0)
+        kwargs.setdefault("dp_size", 1)
+        cfg = make_config(**kwargs)
+    else:
+        cfg = config
+    return Plan(cfg, backend)
+
+
+def _to_dlpack(t: Any) -> Any:
+    """A torch tensor as something the extension imports without torch's stream handshake.
+
+    Tensor.__dlpack__() without a stream makes the legacy default stream wait on the current one (an event per
+    tensor), which breaks CUDA-graph capture; a capsule from to_dlpack carries no synchronisation. fp8 travels
+    as uint8 with the dtype name attached (older DLPack exporters lack fp8 codes)."""
+    import torch.utils.dlpack
+
+    if t.requires_grad:
+        t = t.detach()
+    name = _TORCH_REINTERPRET.get(str(t.dtype).replace("torch.", ""))
+    if name is not None:
+        return (torch.utils.dlpack.to_dlpack(t.view(torch.uint8)), name)
+    return torch.utils.dlpack.to_dlpack(t)
+
+
+def _prepare(t: Any) -> Any:
+    if t is None:
+        return None
+    if isinstance(t, TypedArray):
+        return (_prepare(t.array), t.dtype)
+    if is_torch_tensor(t):
+        return _to_dlpack(t)
+    return t
+
+
+def _current_stream(*tensors: Any) -> int:
+    for t in tensors:
+        if is_torch_tensor(t) and t.is_cuda:
+            import torch
+
+            return torch.cuda.current_stream(t.device).cuda_stream
+    return 0
+
+
+class AllToAll:
+    """MoE expert-parallel dispatch and combine (pplx-kernels' AllToAll interface) on one of epcomm's backends.
+
+    Collective construction: every rank of the group calls it with the same config. Experts are placed in
+    contiguous blocks of ``L = num_experts // world_size`` per rank; a DP group is ``dp_size`` consecutive ranks
+    holding identical tokens.
+
+    Args:
+        max_num_tokens: most tokens any rank passes to one dispatch (m <= max_num_tokens).
+        num_experts: E, experts over all ranks. experts_per_token: K (router top-k).
+        rank, world_size, dp_size: this rank, W, and D (ranks per DP group, W % D == 0).
+        hidden_dim: H, elements per token of the combine (expert_y, out_tokens).
+        hidden_dim_bytes: dispatch payload bytes per token (H for fp8, 2H for bf16), a multiple of 16.
+        hidden_dim_scale_bytes: dispatch scale bytes per token (0 = no scales; fp32 scales, a multiple of 4).
+        expert_padding: row alignment of each expert's segment (power of two).
+        layout: "batched" ([L, max_num_tokens * W / D, ...], pplx-kernels) or "packed" ([sum of padded counts, ...]).
+        backend: "auto", "nvlink", "nvshmem", "proxy" or "host" (see built_backends()).
+        group: a torch.distributed ProcessGroup to rendezvous through.
+        bootstrap: "host:port", "env", an epcomm._C.Bootstrap, or an object with all_gather / barrier /
+            broadcast (see epcomm.TorchGroupBootstrap). Default: group, then EPCOMM_BOOTSTRAP, then the default
+            torch.distributed group.
+
+    Calls are stream-ordered on the caller's current CUDA stream (torch) or on ``stream=`` (any other framework),
+    never synchronise the host on GPU backends, and are captured by CUDA graphs. With torch tensors they run as the
+    custom ops ``torch.ops.epcomm.dispatch`` / ``combine``, so torch.compile(fullgraph=True) keeps them in the graph.
+    """
+
+    def __init__(self, max_num_tokens: int, num_experts: int, experts_per_token: int, rank: int, world_size: int,
+                 dp_size: int, hidden_dim: int, hidden_dim_bytes: int, hidden_dim_scale_bytes: int,
+                 expert_padding: int = 1, layout: str = "batched", backend: str = "auto", group: Any = None,
+                 bootstrap: Any = None):
+        self._impl = None
+        self._handle = 0
+        cfg = make_config(max_num_tokens, num_experts, experts_per_token, rank, world_size, dp_size, hidden_dim,
+                          hidden_dim_bytes, hidden_dim_scale_bytes, expert_padding, layout)
+        boot = make_bootstrap(bootstrap, group, rank, world_size)
+        self._impl = _C.create_all_to_all(cfg, boot, backend)
+        self._config = self._impl.config
+        self.backend: str = self._impl.backend_name
+        # Where the tensors must live: host memory for the host backend, the current CUDA device otherwise.
+        self.device: Optional[str] = "cpu" if self.backend == "host" else "cuda"
+        torch = sys.modules.get("torch")
+        if self.device == "cuda" and torch is not None and torch.cuda.is_available():
+            self.device = f"cuda:{torch.cuda.current_device()}"
+        self._handle = _torch_ops.register(self)
+
+    @classmethod
+    def intranode(cls, max_num_tokens: int, num_experts: int, experts_per_token: int, rank: int, world_size: int,
+                  dp_size: int, hidden_dim: int, hidden_dim_bytes: int, hidden_dim_scale_bytes: int,
+                  group_name: str = "default", **kwargs: Any) -> "AllToAll":
+        """pplx-kernels' constructor name (group_name is accepted and ignored; pass group= for a ProcessGroup)."""
+        kwargs.setdefault("backend", "auto")
+        return cls(max_num_tokens, num_experts, experts_per_token, rank, world_size, dp_size, hidden_dim,
+                   hidden_dim_bytes, hidden_dim_scale_bytes, **kwargs)
+
+    internode = intranode
+
+    # -- properties --------------------------------------------------------------------------------------------
+    @property
+    def config(self) -> "_C.Config":
+        """The validated Config (rank-specific)."""
+        return self._config
+
+    @property
+    def handle(self) -> int:
+        """The integer that names this object in torch.ops.epcomm.dispatch / combine."""
+        return self._handle
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of communication buffers the backend allocated."""
+        return self._live().buffer_bytes
+
+    def _live(self) -> "_C.AllToAll":
+        if self._impl is None or self._impl.closed:
+            raise invalid_argument("this AllToAll was destroyed")
+        return self._impl
+
+    # -- dispatch / combine ------------------------------------------------------------------------------------
+    def dispatch(self, out_expert_num_tokens: Any, out_expert_x: Any, out_expert_x_scale: Any, dp_x: Any,
+                 dp_x_scale: Any, indices: Any, bound_m: Any = None, do_send: bool = True, do_recv: bool = True,
+                 stream: Optional[int] = None) -> None:
+        """Sends each token of this rank's share (t % dp_size == rank % dp_size, t < bound_m) once to every distinct
+        expert in indices[t] and receives this rank's experts' tokens.
+
+        Shapes (L = E / W, R = max_num_tokens * W / D padded, P = packed rows, S = hidden_dim_scale_bytes / 4):
+            out_expert_num_tokens: [L] int32, written: tokens received per local expert.
+            out_expert_x: batched [L, R, hidden_dim_bytes / itemsize] or packed [P, ...], any dtype, written.
+            out_expert_x_scale: [L, R, S] / [P, S] fp32, written; None when hidden_dim_scale_bytes == 0.
+            dp_x: [m, hidden_dim_bytes / itemsize]; dp_x_scale: [m, S] fp32 or None.
+            indices: [m, K] int32 / uint32 / int64; -1 = no expert.
+            bound_m: optional 0-d / [1] int32 tensor with the token count (<= m) on the tensors' device.
+        do_send / do_recv split the call into its non-blocking send half and its receive half. `stream`
+        (cudaStream_t as int) is for non-torch callers; torch tensors use the current stream.
+        """
+        if _torch_ops.HAVE_TORCH_OPS and isinstance(dp_x if dp_x is not None else out_expert_x, _torch.Tensor):
+            _torch_ops.dispatch_op(self._handle, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
+                                   dp_x_scale, indices, bound_m, do_send, do_recv)
+            return
+        self._dispatch_eager(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
+                             bound_m, do_send, do_recv, stream)
+
+    def combine(self, out_tokens: Any, indices: Any, weights: Any, expert_y: Any, bound_m: Any = None,
+                do_send: bool = True, do_recv: bool = True, accumulate: bool = False,
+                stream: Optional[int] = None) -> None:
+        """Returns the expert outputs to the ranks that own the tokens and forms
+        ``out_tokens[t] (+)= sum_k weights[t, k] * expert_y[slot(t, k)]`` (fp32 accumulation, fixed order) for
+        t < bound_m on every rank of the DP group. Must follow a dispatch with the same indices.
+
+        Shapes: out_tokens [m, H] bf16 / fp16 / fp32 (written); indices [m, K]; weights [m, K] fp32;
+        expert_y in out_expert_x's layout with H columns, bf16 / fp16 / fp32.
+        """
+        if _torch_ops.HAVE_TORCH_OPS and isinstance(out_tokens if out_tokens is not None else expert_y, _torch.Tensor):
+            _torch_ops.combine_op(self._handle, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv,
+                                  accumulate)
+            return
+        self._combine_eager(out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, accumulate, stream)
+
+    def _dispatch_eager(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
+                        bound_m, do_send, do_recv, stream) -> None:
+        impl = self._live()
+        check_dispatch(self._config, self.device, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
+                       dp_x_scale, indices, bound_m, do_send, do_recv)
+        if stream is None:
+            stream = _current_stream(dp_x, out_expert_x)
+        impl.dispatch(_prepare(out_expert_num_tokens), _prepare(out_expert_x), _prepare(out_expert_x_scale),
+                      _prepare(dp_x), _prepare(dp_x_scale), _prepare(indices), _prepare(bound_m), do_send, do_recv,
+                      stream)
+
+    def _combine_eager(self, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, accumulate,
+                       stream) -> None:
+        impl = self._live()
+        check_combine(self._config, self.device, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv)
+        if stream is None:
+            stream = _current_stream(out_tokens, expert_y)
+        impl.combine(_prepare(out_tokens), _prepare(indices), _prepare(weights), _prepare(expert_y),
+                     _prepare(bound_m), do_send, do_recv, accumulate, stream)
+
+    def synchronize(self) -> None:
+        """Waits for this object's outstanding work and raises any error a kernel or thread recorded."""
+        self._live().synchronize()
+
+    def destroy(self) -> None:
+        """Frees the backend's buffers (pplx-kernels' name). Later calls raise. Idempotent."""
+        if self._handle:
+            _torch_ops.unregister(self._handle)
+        if self._impl is not None:
+            self._impl.close()
+
+    close = destroy
+
+    def __del__(self) -> None:
+        try:
+            if getattr(self, "_handle", 0):
+                _torch_ops.unregister(self._handle)
+        except Exception:  # interpreter shutdown
+            pass
+
+    def __enter__(self) -> "AllToAll":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.destroy()
+
+    def __repr__(self) -> str:
+        state = "destroyed" if self._impl is None or self._impl.closed else self.backend
+        return f"epcomm.AllToAll({state}, {self._config!r})"
+
+    # -- allocation helpers ------------------------------------------------------------------------------------
+    def _framework(self, dtype: Any, device: Any) -> str:
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            if isinstance(dtype, torch.dtype) or isinstance(device, torch.device):
+                return "torch"
+            if isinstance(device, str) and device.startswith("cuda"):
+                return "torch"
+            if device is None and self.device != "cpu":
+                return "torch"
+        if self.device != "cpu":
+            raise invalid_argument(f"backend {self.backend} needs CUDA tensors: install torch or allocate them "
+                                   "with your framework")
+        return "numpy"
+
+    def _alloc(self, shape: Tuple[int, ...], dtype: Any, default: str, device: Any, zero: bool = True) -> Any:
+        framework = self._framework(dtype, device)
+        if framework == "torch":
+            import torch
+
+            if dtype is None or isinstance(dtype, str):
+                name = dtype or default
+                if name not in _TORCH_DTYPES:
+                    raise invalid_argument(f"unknown dtype '{name}' ({', '.join(_TORCH_DTYPES)})")
+                dtype = getattr(torch, _TORCH_DTYPES[name])
+            dev = device if device is not None else (self.device if self.device != "cuda" else "cuda")
+            return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=dev)
+        import numpy as np
+
+        if dtype is None or isinstance(dtype, str):
+            name = dtype or default
+            if name not in _NUMPY_STORAGE:
+                raise invalid_argument(f"unknown dtype '{name}' ({', '.join(_NUMPY_STORAGE)})")
+            storage, wrap = _NUMPY_STORAGE[name]
+            arr = np.zeros(shape, dtype=storage)
+            return TypedArray(arr, name) if wrap else arr
+        return np.zeros(shape, dtype=dtype)
+
+    def _expert_shape(self, cols: int) -> Tuple[int, ...]:
+        c = self._config
+        if c.layout == _C.Layout.batched:
+            return (c.num_local_experts, c.batched_rows_per_expert, cols)
+        return (c.packed_rows, cols)
+
+    def _default_x_dtype(self) -> str:
+        c = self._config
+        per = c.hidden_dim_bytes // c.hidden_dim if c.hidden_dim_bytes % c.hidden_dim == 0 else 0
+        return {1: "fp8_e4m3", 2: "bf16", 4: "fp32"}.get(per, "u8")
+
+    def alloc_dispatch_outputs(self, dtype: Any = None, device: Any = None) -> Tuple[Any, Any, Any]:
+        """Correctly shaped (out_expert_num_tokens, out_expert_x, out_expert_x_scale) for dispatch; the scale is
+        None when hidden_dim_scale_bytes == 0. `dtype`: of out_expert_x (torch / numpy dtype or epcomm name;
+        default from hidden_dim_bytes / hidden_dim). `device`: default the backend's (numpy arrays for host
+        without torch tensors requested)."""
+        c = self._config
+        if dtype is None:
+            dtype = self._default_x_dtype()
+        num = self._alloc((c.num_local_experts,), "int32", "int32", device)
+        probe = self._alloc((1,), dtype, "u8", device)
+        item = _itemsize_of(probe)
+        if c.hidden_dim_bytes % item != 0:
+            raise invalid_argument(f"dtype {dtype} does not divide hidden_dim_bytes = {c.hidden_dim_bytes}")
+        x = self._alloc(self._expert_shape(c.hidden_dim_bytes // item), dtype, "u8", device)
+        scale = None
+        if c.hidden_dim_scale_bytes > 0:
+            scale = self._alloc(self._expert_shape(c.hidden_dim_scale_bytes // 4), "fp32", "fp32", device)
+        return num, x, scale
+
+    def alloc_expert_y(self, dtype: Any = "bf16", device: Any = None) -> Any:
+        """An expert_y for combine: out_expert_x's layout with hidden_dim columns (default bf16)."""
+        return self._alloc(self._expert_shape(self._config.hidden_dim), dtype, "bf16", device)
+
+    def alloc_combine_output(self, num_tokens: Optional[int] = None, dtype: Any = "bf16", device: Any = None) -> Any:
+        """out_tokens for combine: [num_tokens (default max_num_tokens), hidden_dim], default bf16."""
+        m = self._config.max_num_tokens if num_tokens is None else num_tokens
+        return self._alloc((m, self._config.hidden_dim), dtype, "bf16", device)
+
+
+def _itemsize_of(t: Any) -> int:
+    if isinstance(t, TypedArray):
+        t = t.array
+    if is_torch_tensor(t):
+        return t.element_size()
+    return t.dtype.itemsize

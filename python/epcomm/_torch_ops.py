@@ -1,0 +1,98 @@
+"""torch custom ops ``epcomm::dispatch`` and ``epcomm::combine`` (registered when torch is importable).
+
+The ops declare the tensors they write (mutates_args), so torch.compile(fullgraph=True) keeps them in the graph
+without breaks and orders them correctly, and CUDA graphs capture the kernels they launch on the current stream.
+An op refers to its AllToAll through an integer handle (ops cannot take arbitrary Python objects).
+"""
+
+import threading
+import weakref
+from typing import Any, Dict, Optional
+
+from ._tensors import invalid_argument
+
+try:
+    import torch
+except ImportError:  # numpy-only installs
+    torch = None
+
+__all__ = ["register", "unregister", "lookup", "HAVE_TORCH_OPS"]
+
+_lock = threading.Lock()
+_objects: Dict[int, "weakref.ref[Any]"] = {}
+_next_handle = [1]
+
+
+def register(obj: Any) -> int:
+    """Assigns `obj` a handle for the ops. Weak: the registry never keeps an AllToAll alive."""
+    with _lock:
+        handle = _next_handle[0]
+        _next_handle[0] += 1
+        _objects[handle] = weakref.ref(obj)
+    return handle
+
+
+def unregister(handle: int) -> None:
+    with _lock:
+        _objects.pop(handle, None)
+
+
+def lookup(handle: int) -> Any:
+    with _lock:
+        ref = _objects.get(handle)
+    obj = ref() if ref is not None else None
+    if obj is None:
+        raise invalid_argument(f"epcomm AllToAll handle {handle} refers to a destroyed object")
+    return obj
+
+
+HAVE_TORCH_OPS = torch is not None and hasattr(torch, "library") and hasattr(torch.library, "custom_op")
+
+if HAVE_TORCH_OPS:
+
+    @torch.library.custom_op(
+        "epcomm::dispatch",
+        mutates_args=("out_expert_num_tokens", "out_expert_x", "out_expert_x_scale"),
+    )
+    def dispatch_op(
+        handle: int,
+        out_expert_num_tokens: torch.Tensor,
+        out_expert_x: torch.Tensor,
+        out_expert_x_scale: Optional[torch.Tensor],
+        dp_x: torch.Tensor,
+        dp_x_scale: Optional[torch.Tensor],
+        indices: torch.Tensor,
+        bound_m: Optional[torch.Tensor],
+        do_send: bool,
+        do_recv: bool,
+    ) -> None:
+        lookup(handle)._dispatch_eager(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
+                                       indices, bound_m, do_send, do_recv, None)
+
+    @dispatch_op.register_fake
+    def _dispatch_fake(handle, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
+                       bound_m, do_send, do_recv) -> None:
+        return None
+
+    @torch.library.custom_op("epcomm::combine", mutates_args=("out_tokens",))
+    def combine_op(
+        handle: int,
+        out_tokens: torch.Tensor,
+        indices: torch.Tensor,
+        weights: torch.Tensor,
+        expert_y: torch.Tensor,
+        bound_m: Optional[torch.Tensor],
+        do_send: bool,
+        do_recv: bool,
+        accumulate: bool,
+    ) -> None:
+        lookup(handle)._combine_eager(out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, accumulate,
+                                      None)
+
+    @combine_op.register_fake
+    def _combine_fake(handle, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, accumulate) -> None:
+        return None
+
+else:
+    dispatch_op = None
+    combine_op = None
