@@ -1,0 +1,79 @@
+// PTX wrappers named for their memory semantics (acquire/release at system scope, relaxed vector copies).
+// Used by kernels that talk to peer GPUs through peer-mapped memory over NVLink.
+#pragma once
+
+#include <cstdint>
+
+namespace epcomm {
+namespace device {
+
+/// Loads a 64-bit flag with acquire semantics at system scope: later loads see what the releasing peer wrote
+/// before its matching release.
+__device__ __forceinline__ uint64_t ldAcquireSys(const uint64_t* addr) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(addr) : "memory");
+  return v;
+}
+
+/// Loads a 32-bit value with acquire semantics at GPU scope (intra-GPU handshakes between blocks).
+__device__ __forceinline__ int32_t ldAcquireGpu(const int32_t* addr) {
+  int32_t v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
+  return v;
+}
+
+/// Stores a 64-bit flag with release semantics at system scope.
+__device__ __forceinline__ void stReleaseSys(uint64_t* addr, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(v) : "memory");
+}
+
+/// Adds to a 64-bit flag (possibly in a peer's memory) with release semantics at system scope. The flag is a
+/// monotonically increasing counter, so it is never reset and a receiver waits for "value >= expected".
+__device__ __forceinline__ void redAddReleaseSys(uint64_t* addr, uint64_t v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(addr), "l"(v) : "memory");
+}
+
+/// Full fence at system scope: orders this thread's (and, by cumulativity, what it observed through a CTA
+/// barrier) earlier memory operations before its later ones, as seen from peers and the host.
+__device__ __forceinline__ void fenceAcqRelSys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+/// Nanoseconds from the global timer (coarse but monotonic; used only for timeouts).
+__device__ __forceinline__ uint64_t globalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+/// 16-byte global load that is not cached in L1 (data written by peers or earlier kernels).
+__device__ __forceinline__ int4 ldGlobalNc16(const void* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+/// 16-byte relaxed global load that bypasses L1 (reads of memory peers wrote; ordered by an earlier acquire).
+__device__ __forceinline__ int4 ldVolatile16(const void* p) {
+  int4 v;
+  asm volatile("ld.volatile.global.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+/// 16-byte global store (local or peer-mapped memory).
+__device__ __forceinline__ void st16(void* p, int4 v) {
+  asm volatile("st.global.v4.s32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+/// Lanes below this one in the warp, as a mask.
+__device__ __forceinline__ uint32_t laneMaskLt() {
+  uint32_t m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+}  // namespace device
+}  // namespace epcomm

@@ -1,0 +1,387 @@
+// The nvlink backend: one cudaMalloc'd region per rank, shared with the other ranks of the node through CUDA IPC
+// handles exchanged over the bootstrap (no extra privileges), and kernels that store straight into the peers'
+// regions. See docs/nvlink.md.
+#include <cuda_runtime.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "backends/backends.hpp"
+#include "backends/nvlink/nvlink_kernels.hpp"
+#include "backends/nvlink/nvlink_layout.hpp"
+#include "core/env.hpp"
+#include "core/log.hpp"
+#include "core/validate.hpp"
+#include "epcomm/error.hpp"
+
+/// Throws Error(kCuda) naming the call and CUDA's message unless `expr` returns cudaSuccess.
+#define EPCOMM_CHECK_CUDA(expr)                                                           \
+  do {                                                                                    \
+    cudaError_t epcomm_err_ = (expr);                                                     \
+    if (epcomm_err_ != cudaSuccess) {                                                     \
+      EPCOMM_THROW(kCuda, #expr << " failed: " << cudaGetErrorString(epcomm_err_) << " (" \
+                                << static_cast<int>(epcomm_err_) << ")");                 \
+    }                                                                                     \
+  } while (0)
+
+namespace epcomm {
+namespace backends {
+
+namespace {
+
+using nvlink::Geometry;
+
+// Blocks per kernel. NOTE: all ranks must agree (a receiver counts B signals per sender per round); the value is
+// checked across ranks at setup. Small batches are latency-bound: fewer blocks mean fewer flag increments to
+// wait for; large batches need most SMs to reach NVLink bandwidth.
+uint32_t chooseBlocks(const Config& c, int smCount) {
+  if (env().nvlinkBlocks > 0) return static_cast<uint32_t>(std::min(env().nvlinkBlocks, smCount));
+  const uint64_t tokens = static_cast<uint64_t>(c.maxNumTokens) * c.numDpGroups();
+  uint32_t b = tokens <= 512 ? 32 : static_cast<uint32_t>(smCount);
+  return std::max<uint32_t>(1, std::min<uint32_t>(b, static_cast<uint32_t>(smCount)));
+}
+
+int combineType(DType t) {
+  switch (t) {
+    case DType::kBf16:
+      return nvlink::kTypeBf16;
+    case DType::kF16:
+      return nvlink::kTypeF16;
+    default:
+      return nvlink::kTypeF32;
+  }
+}
+
+const char* phaseName(int32_t phase) {
+  switch (phase) {
+    case nvlink::kPhaseDispatchRecv:
+      return "dispatch-recv (waiting for the peer's tokens)";
+    case nvlink::kPhaseCombineEnter:
+      return "combine-send (waiting for the peer to enter combine)";
+    case nvlink::kPhaseCombineRecv:
+      return "combine-recv (waiting for the peer's expert outputs)";
+    case nvlink::kPhaseBadIndex:
+      return "dispatch-send (expert index check)";
+    default:
+      return "unknown";
+  }
+}
+
+int pickDevice(const Config& c) {
+  int count = 0;
+  EPCOMM_CHECK_CUDA(cudaGetDeviceCount(&count));
+  EPCOMM_CHECK(count > 0, kUnavailable, "no CUDA device");
+  const int local = env().localRank >= 0 ? env().localRank : static_cast<int>(c.rank) % count;
+  EPCOMM_CHECK(local < count, kUnavailable,
+               "EPCOMM_LOCAL_RANK = " << local << " but this process sees " << count << " CUDA devices");
+  return local;
+}
+
+/// What each rank publishes at setup.
+struct PeerInfo {
+  char host[64];
+  cudaIpcMemHandle_t handle;
+  uint32_t blocks;
+  int32_t device;
+  uint64_t bytes;
+};
+
+class NvlinkAllToAll final : public AllToAll {
+ public:
+  NvlinkAllToAll(const Config& config, Bootstrap& bootstrap) : config_(config), bootstrap_(bootstrap) {
+    device_ = pickDevice(config);
+    EPCOMM_CHECK_CUDA(cudaSetDevice(device_));
+    int sms = 0;
+    EPCOMM_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
+    geo_ = nvlink::makeGeometry(config, chooseBlocks(config, sms));
+    const uint32_t W = config.worldSize;
+    EPCOMM_CHECK(W <= nvlink::kMaxRanks, kUnavailable,
+                 "nvlink backend supports at most " << nvlink::kMaxRanks << " ranks, got " << W);
+    const uint32_t smem = nvlink::sharedBytes(geo_);
+    int smemMax = 0;
+    EPCOMM_CHECK_CUDA(cudaDeviceGetAttribute(&smemMax, cudaDevAttrMaxSharedMemoryPerBlockOptin, device_));
+    EPCOMM_CHECK(smem <= static_cast<uint32_t>(smemMax), kInvalidConfig,
+                 "nvlink kernels would need " << smem << " bytes of shared memory (numExperts = " << config.numExperts
+                                              << "), the device allows " << smemMax);
+    int rc = nvlink::configureKernels(smem);
+    EPCOMM_CHECK(rc == 0, kCuda,
+                 "cudaFuncSetAttribute(max dynamic shared memory "
+                     << smem << ") failed: " << cudaGetErrorString(static_cast<cudaError_t>(rc)));
+
+    EPCOMM_CHECK_CUDA(cudaMalloc(&region_, geo_.totalBytes));
+    EPCOMM_CHECK_CUDA(cudaMemset(region_, 0, geo_.totalBytes));
+    EPCOMM_CHECK_CUDA(cudaMalloc(&seq_, 4 * geo_.blocks * sizeof(uint32_t) + 256));
+    EPCOMM_CHECK_CUDA(cudaMemset(seq_, 0, 4 * geo_.blocks * sizeof(uint32_t) + 256));
+    claimed_ = reinterpret_cast<int32_t*>(reinterpret_cast<char*>(seq_) + 4 * geo_.blocks * sizeof(uint32_t));
+    EPCOMM_CHECK_CUDA(
+        cudaHostAlloc(reinterpret_cast<void**>(&hostError_), sizeof(nvlink::ErrorRecord), cudaHostAllocMapped));
+    std::memset(hostError_, 0, sizeof(nvlink::ErrorRecord));
+    EPCOMM_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&hostErrorDev_), hostError_, 0));
+    EPCOMM_CHECK_CUDA(cudaDeviceSynchronize());
+
+    PeerInfo mine{};
+    gethostname(mine.host, sizeof(mine.host) - 1);
+    mine.blocks = geo_.blocks;
+    mine.device = device_;
+    mine.bytes = geo_.totalBytes;
+    EPCOMM_CHECK_CUDA(cudaIpcGetMemHandle(&mine.handle, region_));
+    std::vector<PeerInfo> all(W);
+    bootstrap_.allGather(&mine, all.data(), sizeof(PeerInfo));
+    for (uint32_t r = 0; r < W; ++r) {
+      EPCOMM_CHECK(std::strncmp(all[r].host, mine.host, sizeof(mine.host)) == 0, kUnavailable,
+                   "nvlink backend needs every rank on one node: rank "
+                       << r << " runs on '" << all[r].host << "', rank " << config.rank << " on '" << mine.host << "'");
+      EPCOMM_CHECK(all[r].blocks == geo_.blocks, kInvalidConfig,
+                   "ranks disagree on nvlink blocks per kernel: rank " << r << " uses " << all[r].blocks << ", rank "
+                                                                       << config.rank << " uses " << geo_.blocks
+                                                                       << " (set EPCOMM_NVLINK_BLOCKS equally)");
+      EPCOMM_CHECK(all[r].bytes == geo_.totalBytes, kInvalidConfig,
+                   "ranks disagree on the buffer size: rank " << r << " has " << all[r].bytes);
+    }
+    peers_.assign(nvlink::kMaxRanks, nullptr);
+    peers_[config.rank] = static_cast<char*>(region_);
+    for (uint32_t r = 0; r < W; ++r) {
+      if (r == config.rank) continue;
+      if (all[r].device != device_) {
+        int can = 0;
+        EPCOMM_CHECK_CUDA(cudaDeviceCanAccessPeer(&can, device_, all[r].device));
+        EPCOMM_CHECK(can != 0, kUnavailable,
+                     "GPU " << device_ << " cannot access peer GPU " << all[r].device << " of rank " << r);
+      }
+      void* p = nullptr;
+      EPCOMM_CHECK_CUDA(cudaIpcOpenMemHandle(&p, all[r].handle, cudaIpcMemLazyEnablePeerAccess));
+      peers_[r] = static_cast<char*>(p);
+      opened_.push_back(p);
+    }
+    // Nobody may store into a peer's region before the peer zeroed it (done above, before the allGather) and
+    // every rank has mapped every other one.
+    bootstrap_.barrier();
+    EPCOMM_LOG(kInfo, "nvlink backend: device " << device_ << ", " << geo_.blocks << " blocks, " << geo_.totalBytes
+                                                << " bytes peer-mapped, " << config.toString());
+  }
+
+  ~NvlinkAllToAll() override {
+    // Peers may still store into our region until they finished their last kernel: wait for our own work, then
+    // for everyone, then unmap and free.
+    cudaSetDevice(device_);
+    cudaDeviceSynchronize();
+    try {
+      bootstrap_.barrier();
+    } catch (const std::exception& e) {
+      EPCOMM_LOG(kWarn, "nvlink teardown barrier failed: " << e.what());
+    }
+    for (void* p : opened_) cudaIpcCloseMemHandle(p);
+    if (region_ != nullptr) cudaFree(region_);
+    if (seq_ != nullptr) cudaFree(seq_);
+    if (hostError_ != nullptr) cudaFreeHost(hostError_);
+  }
+
+  void dispatch(const DispatchArgs& a) override {
+    checkUsable();
+    const CheckedDispatch c = checkDispatchArgs(config_, a, MemoryKind::kCuda, device_);
+    nvlink::DispatchKernelArgs k{};
+    fillCommon(k.g, k.peers, k.st);
+    if (a.doSend) {
+      k.x = static_cast<const uint8_t*>(a.x.data);
+      k.xRowStrideBytes = c.xRowStrideBytes;
+      k.xScale = static_cast<const uint8_t*>(a.xScale.data);
+      k.xScaleStrideBytes[0] = c.scaleStrides[0] * 4;
+      k.xScaleStrideBytes[1] = c.scaleStrides[1] * 4;
+      k.indices = a.indices.data;
+      k.indexKind = c.indexKind;
+      k.indexStrides[0] = c.indexStrides[0];
+      k.indexStrides[1] = c.indexStrides[1];
+      k.m = c.m;
+      k.boundM = a.boundM;
+    }
+    if (a.doRecv) {
+      k.outNumTokens = static_cast<int32_t*>(a.outExpertNumTokens.data);
+      k.outX = static_cast<uint8_t*>(a.outExpertX.data);
+      k.outExpertStrideBytes = c.outExpertStrideBytes;
+      k.outRowStrideBytes = c.outRowStrideBytes;
+      k.outScale = static_cast<uint8_t*>(a.outExpertXScale.data);
+      const bool packed = config_.layout == Layout::kPacked;
+      if (packed) {
+        k.outScaleStrideBytes[0] = 0;
+        k.outScaleStrideBytes[1] = c.outScaleStrides[0] * 4;
+        k.outScaleStrideBytes[2] = c.outScaleStrides[1] * 4;
+      } else {
+        for (int d = 0; d < 3; ++d) k.outScaleStrideBytes[d] = c.outScaleStrides[d] * 4;
+      }
+      k.packed = packed ? 1 : 0;
+      k.padding = config_.expertPadding;
+    }
+    checkCurrentDevice();
+    int rc = nvlink::launchDispatch(k, a.doSend, a.doRecv, a.stream);
+    EPCOMM_CHECK(rc == 0, kCuda,
+                 "rank " << config_.rank
+                         << ": dispatch kernel launch failed: " << cudaGetErrorString(static_cast<cudaError_t>(rc)));
+  }
+
+  void combine(const CombineArgs& a) override {
+    checkUsable();
+    const CheckedCombine c = checkCombineArgs(config_, a, MemoryKind::kCuda, device_);
+    nvlink::CombineKernelArgs k{};
+    fillCommon(k.g, k.peers, k.st);
+    if (a.doSend) {
+      // The send half applies the router weights (it sums each token's local experts before sending), so it needs
+      // them here; checkCombineArgs checks weights only for the recv half.
+      const TensorView& w = a.weights;
+      EPCOMM_CHECK(w.data != nullptr && w.memory == MemoryKind::kCuda && w.device == device_, kInvalidArgument,
+                   "nvlink combine send half needs weights on cuda:" << device_ << ", got " << w.toString());
+      EPCOMM_CHECK(w.ndim == 2 && w.dtype == DType::kF32 && w.shape[1] == config_.expertsPerToken &&
+                       w.shape[0] <= config_.maxNumTokens && w.strides[0] >= 0 && w.strides[1] >= 0,
+                   kInvalidArgument, "weights must be fp32 [m <= maxNumTokens, K], got " << w.toString());
+      k.y = static_cast<const uint8_t*>(a.expertY.data);
+      k.yExpertStride = c.yExpertStride;
+      k.yRowStride = c.yRowStride;
+      k.weights = static_cast<const float*>(w.data);
+      k.weightStrides[0] = w.strides[0];
+      k.weightStrides[1] = w.strides[1];
+      k.mSend = static_cast<uint32_t>(w.shape[0]);
+      partialType_ = combineType(a.expertY.dtype);
+    } else {
+      EPCOMM_CHECK(partialType_ >= 0, kInvalidArgument,
+                   "combine recv half called before any combine send half on this object");
+    }
+    k.boundM = a.boundM;
+    k.packed = config_.layout == Layout::kPacked ? 1 : 0;
+    k.padding = config_.expertPadding;
+    int outType = partialType_;
+    if (a.doRecv) {
+      k.out = static_cast<uint8_t*>(a.outTokens.data);
+      k.outRowStride = c.outRowStride;
+      k.indices = a.indices.data;
+      k.indexKind = c.indexKind;
+      k.indexStrides[0] = c.indexStrides[0];
+      k.indexStrides[1] = c.indexStrides[1];
+      k.m = c.m;
+      k.accumulate = a.accumulate ? 1 : 0;
+      outType = combineType(a.outTokens.dtype);
+    }
+    checkCurrentDevice();
+    int rc = nvlink::launchCombine(k, a.doSend, a.doRecv, partialType_, outType, a.stream);
+    EPCOMM_CHECK(rc == 0, kCuda,
+                 "rank " << config_.rank
+                         << ": combine kernel launch failed: " << cudaGetErrorString(static_cast<cudaError_t>(rc)));
+  }
+
+  void synchronize() override {
+    checkUsable();
+    EPCOMM_CHECK_CUDA(cudaDeviceSynchronize());
+    checkUsable();
+  }
+
+  const Config& config() const override { return config_; }
+  const char* backendName() const override { return "nvlink"; }
+  uint64_t bufferBytes() const override {
+    return geo_.totalBytes + 4 * geo_.blocks * sizeof(uint32_t) + 256 + sizeof(nvlink::ErrorRecord);
+  }
+
+ private:
+  void fillCommon(Geometry& g, char** peers, nvlink::DeviceState& st) const {
+    g = geo_;
+    for (uint32_t r = 0; r < nvlink::kMaxRanks; ++r) peers[r] = peers_[r];
+    st.seq = seq_;
+    st.claimed = claimed_;
+    st.hostError = hostErrorDev_;
+    st.timeoutNs = static_cast<uint64_t>(env().timeoutMs) * 1000000ull;
+  }
+
+  void checkCurrentDevice() const {
+    int cur = -1;
+    EPCOMM_CHECK_CUDA(cudaGetDevice(&cur));
+    EPCOMM_CHECK(
+        cur == device_, kInvalidArgument,
+        "rank " << config_.rank << ": the current CUDA device is " << cur << " but this object lives on " << device_);
+  }
+
+  // Reads the host-mapped error record (no synchronisation). Once an error was seen the object refuses all use.
+  void checkUsable() {
+    if (failed_.empty()) {
+      const volatile nvlink::ErrorRecord* r = hostError_;
+      const int32_t code = r->code;
+      if (code == 0) return;
+      std::atomic_thread_fence(std::memory_order_acquire);
+      std::ostringstream oss;
+      if (code == nvlink::kPhaseBadIndex) {
+        failedCode_ = ErrorCode::kDeviceError;
+        oss << "rank " << r->rank << ": expert index " << static_cast<int32_t>(r->b & 0xffffffff) << " at token "
+            << r->a << ", position " << (r->b >> 32) << " is outside [-1, " << config_.numExperts << ") (phase "
+            << phaseName(code) << "); the entry was skipped";
+      } else {
+        failedCode_ = ErrorCode::kTimeout;
+        oss << "rank " << r->rank << " timed out after " << env().timeoutMs << " ms in phase " << phaseName(code)
+            << " waiting for peer rank " << r->peer << " (flag " << r->a << ", expected " << r->b << ", block "
+            << r->block << ")";
+      }
+      failed_ = oss.str();
+    }
+    detail::throwError(failedCode_, failed_ + " [this AllToAll object is unusable]", __FILE__, __LINE__);
+  }
+
+  Config config_;
+  Bootstrap& bootstrap_;
+  int device_ = -1;
+  Geometry geo_{};
+  void* region_ = nullptr;
+  uint32_t* seq_ = nullptr;
+  int32_t* claimed_ = nullptr;
+  nvlink::ErrorRecord* hostError_ = nullptr;
+  nvlink::ErrorRecord* hostErrorDev_ = nullptr;
+  std::vector<char*> peers_;
+  std::vector<void*> opened_;
+  int partialType_ = -1;
+  std::string failed_;
+  ErrorCode failedCode_ = ErrorCode::kInternal;
+};
+
+}  // namespace
+
+bool nvlinkUsable(std::string* whyNot) {
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || count == 0) {
+    if (whyNot != nullptr) {
+      *whyNot = e != cudaSuccess ? std::string("no CUDA device (") + cudaGetErrorString(e) + ")" : "no CUDA device";
+    }
+    cudaGetLastError();
+    return false;
+  }
+  return true;
+}
+
+std::unique_ptr<AllToAll> createNvlink(const Config& config, Bootstrap& bootstrap) {
+  return std::make_unique<NvlinkAllToAll>(config, bootstrap);
+}
+
+std::vector<PlannedBuffer> planNvlink(const Config& config) {
+  config.validate();
+  // The planner runs without a GPU: assume an H200's 132 SMs for the block count (only the counters depend on it).
+  const Geometry g = nvlink::makeGeometry(config, chooseBlocks(config, 132));
+  const uint64_t W = config.worldSize, Ts = g.slotsPerSender, K = config.expertsPerToken;
+  std::vector<PlannedBuffer> plan;
+  auto add = [&](const char* name, const char* memory, uint64_t bytes, const std::string& note) {
+    plan.push_back(PlannedBuffer{"nvlink", name, memory, bytes, note});
+  };
+  add("flags", "device (peer-mapped)", g.offNumTokens - g.offFlags, "u64 [3][W] monotone counters");
+  add("routing counts", "device (peer-mapped)", g.offRoute - g.offNumTokens, "i32 [W] + i32 [W][L]");
+  add("routing entries", "device (peer-mapped)", g.offPayload - g.offRoute,
+      "{le, pos} [W=" + std::to_string(W) + "][Ts=" + std::to_string(Ts) + "][K=" + std::to_string(K) + "]");
+  add("dispatch staging", "device (peer-mapped)", g.offWeights - g.offPayload,
+      "[W][Ts][" + std::to_string(g.slotBytes) + " B: payload + scales]");
+  add("combine weights", "device (peer-mapped)", g.offPartials - g.offWeights, "f32 [W][Ts][K]");
+  add("combine partials", "device (peer-mapped)", g.totalBytes - g.offPartials,
+      "[W][T=" + std::to_string(config.maxNumTokens) + "][H*4 B]");
+  add("round counters", "device", 4ull * g.blocks * 4 + 256, "u32 [4][blocks=" + std::to_string(g.blocks) + "]");
+  add("error record", "host pinned (mapped)", sizeof(nvlink::ErrorRecord), "written by kernels, read by the host");
+  return plan;
+}
+
+}  // namespace backends
+}  // namespace epcomm

@@ -1,0 +1,89 @@
+// Kernel argument structs and launchers of the nvlink backend. Host code fills one struct per launch; the
+// kernels receive it by value. No CUDA headers here, so the host class compiles with the C++ compiler.
+#pragma once
+
+#include <cstdint>
+
+#include "backends/nvlink/nvlink_layout.hpp"
+
+namespace epcomm {
+namespace nvlink {
+
+/// Per-object device state that is not peer-mapped.
+struct DeviceState {
+  /// [4][B] per-block round counters: dispatch send, dispatch recv, combine send, combine recv. Each block reads
+  /// its own counter at start and advances it at exit, so the round number lives on the device (CUDA graphs
+  /// replay correctly) and no two blocks race on one word.
+  uint32_t* seq;
+  int32_t* claimed;        ///< device word: first kernel to record an error claims it; kernels then bail out
+  ErrorRecord* hostError;  ///< device pointer of the host-mapped error record
+  uint64_t timeoutNs;      ///< bound of every device wait
+};
+constexpr int kSeqDispatchSend = 0;
+constexpr int kSeqDispatchRecv = 1;
+constexpr int kSeqCombineSend = 2;
+constexpr int kSeqCombineRecv = 3;
+
+/// Arguments of the dispatch kernel (send half, recv half, or both).
+struct DispatchKernelArgs {
+  Geometry g;
+  char* peers[kMaxRanks];  ///< base of every rank's peer-mapped region (peers[rank] = our own)
+  DeviceState st;
+  // Send half.
+  const uint8_t* x;
+  int64_t xRowStrideBytes;
+  const uint8_t* xScale;
+  int64_t xScaleStrideBytes[2];
+  const void* indices;
+  int32_t indexKind;
+  int64_t indexStrides[2];
+  uint32_t m;
+  const int32_t* boundM;  ///< nullable device scalar
+  // Recv half.
+  int32_t* outNumTokens;
+  uint8_t* outX;
+  int64_t outExpertStrideBytes;  ///< 0 for packed
+  int64_t outRowStrideBytes;
+  uint8_t* outScale;
+  int64_t outScaleStrideBytes[3];  ///< expert (0 for packed), row, column
+  int32_t packed;
+  uint32_t padding;
+};
+
+/// Arguments of the combine kernel (send half, recv half, or both).
+struct CombineKernelArgs {
+  Geometry g;
+  char* peers[kMaxRanks];
+  DeviceState st;
+  // Send half.
+  const uint8_t* y;
+  int64_t yExpertStride;  ///< elements; 0 for packed
+  int64_t yRowStride;     ///< elements
+  const float* weights;
+  int64_t weightStrides[2];
+  uint32_t mSend;
+  const int32_t* boundM;
+  int32_t packed;
+  uint32_t padding;
+  // Recv half.
+  uint8_t* out;
+  int64_t outRowStride;  ///< elements
+  const void* indices;
+  int32_t indexKind;
+  int64_t indexStrides[2];
+  uint32_t m;
+  int32_t accumulate;
+};
+
+/// Element types of the combine: 0 bf16, 1 fp16, 2 fp32.
+enum CombineType : int { kTypeBf16 = 0, kTypeF16 = 1, kTypeF32 = 2 };
+
+/// Launches the dispatch kernel on `stream`; returns the cudaError_t of the launch (0 = success).
+int launchDispatch(const DispatchKernelArgs& args, bool doSend, bool doRecv, void* stream);
+/// Launches the combine kernel; `partialType` is expertY's type (partials travel in it), `outType` outTokens'.
+int launchCombine(const CombineKernelArgs& args, bool doSend, bool doRecv, int partialType, int outType, void* stream);
+/// Raises the dynamic shared-memory limit of every kernel to `bytes` (needed above 48 KiB).
+int configureKernels(uint32_t bytes);
+
+}  // namespace nvlink
+}  // namespace epcomm

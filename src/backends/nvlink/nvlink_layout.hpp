@@ -1,0 +1,118 @@
+// Geometry of the nvlink backend's peer-mapped buffer: one region per rank, identical on every rank, so a sender
+// computes the address of its slot on any peer with no coordination. Host and device code share this header.
+#pragma once
+
+#include <cstdint>
+
+#include "core/layout.hpp"
+#include "epcomm/config.hpp"
+
+namespace epcomm {
+namespace nvlink {
+
+/// Most ranks one node can have (peer pointers travel by value in the kernel argument structs).
+constexpr uint32_t kMaxRanks = 16;
+/// Threads per block of every nvlink kernel (16 warps).
+constexpr uint32_t kThreads = 512;
+constexpr uint32_t kWarps = kThreads / 32;
+
+/// One routing entry of a dispatched token, as the sender writes it into the receiver's buffer: which local expert
+/// of the receiver (or -1) and the token's position among the sender's tokens for that expert. `le` has kDupBit set
+/// when an earlier k of the same token named the same expert (delivered once; combine still applies its weight).
+struct RouteEntry {
+  int32_t le;
+  int32_t pos;
+};
+constexpr int32_t kDupBit = 0x40000000;
+
+/// Byte offsets and sizes inside one rank's peer-mapped region. All offsets are 256-byte aligned.
+///
+///   flags       u64 dispatchFlag[W], combineEnterFlag[W], combineDoneFlag[W]   (monotone counters, never reset)
+///   numTokens   i32 [W]                 tokens sender s sent this round (its n_s)
+///   counts      i32 [W][L]              tokens sender s routed to each local expert
+///   route       RouteEntry [W][Ts][K]   per sent token: its K entries as seen from this rank
+///   payload     u8 [W][Ts][slotBytes]   token bytes then scales, slot = token index / D
+///   weights     f32 [W][Ts][K]          router weights pushed by the token's sender at combine start
+///   partials    u8 [W][T][partialBytes] per expert rank e: sum over e's experts of w * y for token t
+struct Geometry {
+  uint32_t worldSize, rank, dpSize, numExperts, numLocalExperts, topK;
+  uint32_t maxTokens;       ///< T
+  uint32_t slotsPerSender;  ///< Ts = ceil(T / D)
+  uint32_t hiddenDim;       ///< H
+  uint32_t hiddenBytes;     ///< dispatch payload bytes per token
+  uint32_t scaleBytes;      ///< dispatch scale bytes per token
+  uint32_t slotBytes;       ///< roundUp(hiddenBytes + scaleBytes, 16)
+  uint32_t partialBytes;    ///< H * 4 (room for fp32 partials)
+  uint32_t blocks;          ///< B: blocks of every kernel, equal on every rank (flags count B signals per round)
+  uint64_t offFlags, offNumTokens, offCounts, offRoute, offPayload, offWeights, offPartials, totalBytes;
+};
+
+EPCOMM_HD uint64_t align256(uint64_t x) { return roundUpPow2(x, 256); }
+
+/// Fills a Geometry for `config` with `blocks` blocks per kernel.
+inline Geometry makeGeometry(const Config& c, uint32_t blocks) {
+  Geometry g{};
+  g.worldSize = c.worldSize;
+  g.rank = c.rank;
+  g.dpSize = c.dpSize;
+  g.numExperts = c.numExperts;
+  g.numLocalExperts = c.numLocalExperts();
+  g.topK = c.expertsPerToken;
+  g.maxTokens = c.maxNumTokens;
+  g.slotsPerSender = static_cast<uint32_t>(ceilDiv(c.maxNumTokens, c.dpSize));
+  g.hiddenDim = c.hiddenDim;
+  g.hiddenBytes = c.hiddenDimBytes;
+  g.scaleBytes = c.hiddenDimScaleBytes;
+  g.slotBytes = static_cast<uint32_t>(roundUpPow2(c.hiddenDimBytes + c.hiddenDimScaleBytes, 16));
+  g.partialBytes = c.hiddenDim * 4;
+  g.blocks = blocks;
+  const uint64_t W = c.worldSize, Ts = g.slotsPerSender, K = c.expertsPerToken;
+  uint64_t off = 0;
+  g.offFlags = off;
+  off = align256(off + 3 * W * sizeof(uint64_t));
+  g.offNumTokens = off;
+  off = align256(off + W * sizeof(int32_t));
+  g.offCounts = off;
+  off = align256(off + W * g.numLocalExperts * sizeof(int32_t));
+  g.offRoute = off;
+  off = align256(off + W * Ts * K * sizeof(RouteEntry));
+  g.offPayload = off;
+  off = align256(off + W * Ts * g.slotBytes);
+  g.offWeights = off;
+  off = align256(off + W * Ts * K * sizeof(float));
+  g.offPartials = off;
+  off = align256(off + W * static_cast<uint64_t>(c.maxNumTokens) * g.partialBytes);
+  g.totalBytes = off;
+  return g;
+}
+
+/// Dynamic shared memory of every nvlink kernel: the sender's routing scan (bits and bases per warp per expert,
+/// running counts) or the receiver's row bases, whichever is larger.
+inline uint32_t sharedBytes(const Geometry& g) {
+  const uint64_t scan = (2ull * kWarps + 1) * g.numExperts * 4;
+  const uint64_t rows = (static_cast<uint64_t>(g.worldSize) + 2) * g.numLocalExperts * 4;
+  return static_cast<uint32_t>(scan > rows ? scan : rows);
+}
+
+/// Error record in host-mapped pinned memory, written by a kernel that timed out or saw a bad index; the host reads
+/// it (no synchronisation) at the start of the next call. `code` is written last.
+struct ErrorRecord {
+  int32_t code;   ///< 0 = none, else an ErrorPhase
+  int32_t rank;   ///< rank that detected it
+  int32_t peer;   ///< peer that never arrived (timeouts), -1 otherwise
+  int32_t block;  ///< block that detected it
+  int64_t a;      ///< token index (bad index) or the flag value seen (timeout)
+  int64_t b;      ///< position k and value (bad index) or the expected flag value (timeout)
+};
+
+/// What a kernel was doing when it recorded an error.
+enum ErrorPhase : int32_t {
+  kPhaseNone = 0,
+  kPhaseDispatchRecv = 1,  ///< waiting for a sender's dispatch flag
+  kPhaseCombineEnter = 2,  ///< combine-send waiting for a peer to enter combine (its weights)
+  kPhaseCombineRecv = 3,   ///< combine-recv waiting for an expert rank's partials
+  kPhaseBadIndex = 4,      ///< dispatch-send saw an expert index outside [-1, E)
+};
+
+}  // namespace nvlink
+}  // namespace epcomm
