@@ -1,0 +1,240 @@
+#include "backends/host/host_kernels.hpp"
+
+#include <cstring>
+#include <vector>
+
+#include "core/dtype_convert.hpp"
+#include "core/layout.hpp"
+#include "epcomm/error.hpp"
+
+namespace epcomm {
+namespace host {
+
+namespace {
+
+// Entry metadata (see ProtocolSizes): u32 token, u16 n, u16 localExpert[n].
+struct EntryMeta {
+  uint32_t token;
+  uint16_t n;
+};
+
+inline const uint16_t* entryExperts(const uint8_t* meta) { return reinterpret_cast<const uint16_t*>(meta + 6); }
+
+}  // namespace
+
+void dispatchSendKernel(const DispatchSendParams& p) {
+  const proxy::ProtocolSizes& s = *p.sizes;
+  const DispatchArgs& a = *p.args;
+  const uint32_t W = s.worldSize, E = s.numExperts, L = s.numLocalExperts, K = s.expertsPerToken, D = s.dpSize;
+  const int kind = p.checked.indexKind;
+  const int64_t is0 = p.checked.indexStrides[0], is1 = p.checked.indexStrides[1];
+  auto load = [&](uint32_t t, uint32_t k) { return decodeIndex(a.indices.data, kind, t * is0 + k * is1); };
+
+  for (uint32_t t = 0; t < p.boundM; ++t) {
+    for (uint32_t k = 0; k < K; ++k) {
+      const int64_t e = load(t, k);
+      EPCOMM_CHECK(e >= -1 && e < static_cast<int64_t>(E), kInvalidArgument,
+                   "rank " << s.rank << " token " << t << " position k=" << k << " has expert index " << e
+                           << ", outside [0, " << E << ") and not -1");
+    }
+  }
+
+  std::vector<uint32_t> expertCounts(E, 0), entryCounts(W, 0);
+  // Per token: destination ranks in first-use order, and each one's local experts.
+  std::vector<uint32_t> owners(K);
+  std::vector<uint16_t> les(static_cast<size_t>(K) * K);
+  std::vector<uint16_t> numLes(K);
+  const uint32_t scaleCols = static_cast<uint32_t>(s.scaleBytes / 4);
+  const char* x = static_cast<const char*>(a.x.data);
+  const uint32_t* xs = static_cast<const uint32_t*>(a.xScale.data);
+  for (uint32_t t = s.rank % D; t < p.boundM; t += D) {
+    uint32_t numOwners = 0;
+    for (uint32_t k = 0; k < K; ++k) {
+      const int64_t e = load(t, k);
+      if (e < 0 || isRepeatOfEarlier([&](uint32_t j) { return load(t, j); }, k, e)) continue;
+      const uint32_t ue = static_cast<uint32_t>(e), owner = expertOwner(ue, L);
+      ++expertCounts[ue];
+      uint32_t o = 0;
+      while (o < numOwners && owners[o] != owner) ++o;
+      if (o == numOwners) {
+        owners[numOwners++] = owner;
+        numLes[o] = 0;
+      }
+      les[o * K + numLes[o]++] = static_cast<uint16_t>(ue % L);
+    }
+    for (uint32_t o = 0; o < numOwners; ++o) {
+      const uint32_t dst = owners[o];
+      uint8_t* entry = p.sendSlots[dst] + s.headBytes + static_cast<uint64_t>(entryCounts[dst]++) * s.entryBytes;
+      std::memcpy(entry, x + t * p.checked.xRowStrideBytes, s.payloadBytes);
+      uint32_t* scales = reinterpret_cast<uint32_t*>(entry + s.payloadBytes);
+      for (uint32_t j = 0; j < scaleCols; ++j) {
+        scales[j] = xs[t * p.checked.scaleStrides[0] + j * p.checked.scaleStrides[1]];
+      }
+      uint8_t* meta = entry + s.metaOffset;
+      const EntryMeta m{t, numLes[o]};
+      std::memcpy(meta, &m.token, 4);
+      std::memcpy(meta + 4, &m.n, 2);
+      std::memcpy(meta + 6, &les[o * K], 2ull * numLes[o]);
+    }
+  }
+  for (uint32_t dst = 0; dst < W; ++dst) {
+    std::memcpy(proxy::headExpertCounts(p.sendSlots[dst]), expertCounts.data(), 4ull * E);
+    std::memcpy(proxy::headEntryCounts(p.sendSlots[dst], E), entryCounts.data(), 4ull * W);
+  }
+}
+
+void dispatchRecvKernel(const DispatchRecvParams& p) {
+  const proxy::ProtocolSizes& s = *p.sizes;
+  const proxy::RoundLayout& lay = *p.layout;
+  const DispatchArgs& a = *p.args;
+  const CheckedDispatch& c = p.checked;
+  const uint32_t W = s.worldSize, L = s.numLocalExperts, me = s.rank;
+  const bool batched = s.layout == Layout::kBatched;
+  const uint64_t R = s.batchedRowsPerExpert;
+  const uint32_t scaleCols = static_cast<uint32_t>(s.scaleBytes / 4);
+  int32_t* numTokens = static_cast<int32_t*>(a.outExpertNumTokens.data);
+  for (uint32_t le = 0; le < L; ++le) numTokens[le] = static_cast<int32_t>(lay.localExpertRows(le));
+
+  char* out = static_cast<char*>(a.outExpertX.data);
+  uint32_t* outScale = static_cast<uint32_t*>(a.outExpertXScale.data);
+  std::vector<uint64_t> next(L);
+  for (uint32_t src = 0; src < W; ++src) {
+    for (uint32_t le = 0; le < L; ++le) next[le] = lay.slotOffset(le, src);
+    const uint32_t n = lay.entries(src, me);
+    for (uint32_t j = 0; j < n; ++j) {
+      const uint8_t* entry =
+          src == me ? p.ownSendSlot + s.headBytes + j * s.entryBytes : p.recvBuffer + lay.recvEntryOffset(s, src, j);
+      const uint8_t* meta = entry + s.metaOffset;
+      uint16_t numLocal;
+      std::memcpy(&numLocal, meta + 4, 2);
+      EPCOMM_CHECK(numLocal >= 1 && numLocal <= s.maxLocalPerEntry, kInternal,
+                   "rank " << me << ": entry " << j << " from rank " << src << " names " << numLocal
+                           << " local experts (corrupt receive buffer)");
+      const uint16_t* experts = entryExperts(meta);
+      for (uint16_t i = 0; i < numLocal; ++i) {
+        const uint32_t le = experts[i];
+        EPCOMM_CHECK(le < L && next[le] < lay.slotOffset(le, src + 1), kInternal,
+                     "rank " << me << ": entry " << j << " from rank " << src << " overruns local expert " << le);
+        const uint64_t row = lay.outputRowBase(le) + next[le]++;
+        const int64_t expertIdx = batched ? static_cast<int64_t>(row / R) : 0;
+        const int64_t rowIdx = batched ? static_cast<int64_t>(row % R) : static_cast<int64_t>(row);
+        std::memcpy(out + expertIdx * c.outExpertStrideBytes + rowIdx * c.outRowStrideBytes, entry, s.payloadBytes);
+        if (scaleCols == 0) continue;
+        const uint32_t* scales = reinterpret_cast<const uint32_t*>(entry + s.payloadBytes);
+        const int64_t* os = c.outScaleStrides;
+        for (uint32_t k = 0; k < scaleCols; ++k) {
+          const int64_t off = batched ? expertIdx * os[0] + rowIdx * os[1] + k * os[2] : rowIdx * os[0] + k * os[1];
+          outScale[off] = scales[k];
+        }
+      }
+    }
+    for (uint32_t le = 0; le < L; ++le) {
+      EPCOMM_CHECK(next[le] == lay.slotOffset(le, src + 1), kInternal,
+                   "rank " << me << ": rank " << src << " announced " << lay.expertCount(src, me * L + le)
+                           << " rows for local expert " << le << " but its entries carry "
+                           << next[le] - lay.slotOffset(le, src));
+    }
+  }
+}
+
+void combineSendKernel(const CombineSendParams& p) {
+  const proxy::ProtocolSizes& s = *p.sizes;
+  const proxy::RoundLayout& lay = *p.layout;
+  const CombineArgs& a = *p.args;
+  const uint32_t L = s.numLocalExperts, D = s.dpSize, G = s.numDpGroups();
+  const bool batched = s.layout == Layout::kBatched;
+  const uint64_t R = s.batchedRowsPerExpert;
+  const int64_t item = dtypeSize(a.expertY.dtype);
+  const uint64_t rowBytes = static_cast<uint64_t>(a.expertY.shape[a.expertY.ndim - 1]) * item;
+  const char* y = static_cast<const char*>(a.expertY.data);
+  for (uint32_t g = 0; g < G; ++g) {
+    uint8_t* dst = p.combineSendBuffer + lay.combineSendStart(g) * rowBytes;
+    for (uint32_t le = 0; le < L; ++le) {
+      // Group g's senders are consecutive ranks, so their rows of one expert are one contiguous range.
+      const uint64_t first = lay.slotOffset(le, g * D), last = lay.slotOffset(le, (g + 1) * D);
+      for (uint64_t i = first; i < last; ++i) {
+        const uint64_t row = lay.outputRowBase(le) + i;
+        const int64_t off = batched ? static_cast<int64_t>(row / R) * p.checked.yExpertStride +
+                                          static_cast<int64_t>(row % R) * p.checked.yRowStride
+                                    : static_cast<int64_t>(row) * p.checked.yRowStride;
+        std::memcpy(dst, y + off * item, rowBytes);
+        dst += rowBytes;
+      }
+    }
+  }
+}
+
+void combineRecvKernel(const CombineRecvParams& p) {
+  const proxy::ProtocolSizes& s = *p.sizes;
+  const proxy::RoundLayout& lay = *p.layout;
+  const CombineArgs& a = *p.args;
+  const CheckedCombine& c = p.checked;
+  const uint32_t W = s.worldSize, E = s.numExperts, L = s.numLocalExperts, K = s.expertsPerToken, D = s.dpSize;
+  const uint32_t me = s.rank, g = me / D;
+  const uint32_t H = static_cast<uint32_t>(a.outTokens.shape[1]);
+  const uint64_t rowBytes = static_cast<uint64_t>(H) * dtypeSize(p.yDtype);
+  const int kind = c.indexKind;
+  auto load = [&](uint32_t t, uint32_t k) {
+    return decodeIndex(a.indices.data, kind, t * c.indexStrides[0] + k * c.indexStrides[1]);
+  };
+  for (uint32_t t = 0; t < p.boundM; ++t) {
+    for (uint32_t k = 0; k < K; ++k) {
+      const int64_t e = load(t, k);
+      EPCOMM_CHECK(e >= -1 && e < static_cast<int64_t>(E), kInvalidArgument,
+                   "rank " << me << " token " << t << " position k=" << k << " has expert index " << e
+                           << ", outside [0, " << E << ") and not -1");
+    }
+  }
+
+  // Row of (t, k) inside its owner's message: the message is expert-major, then (sender, token) order, so walk the
+  // group's tokens in (sender, token) order with one counter per expert, starting where each sender's rows begin.
+  std::vector<uint64_t> next(E), start(E);
+  std::vector<uint64_t> rowOf(static_cast<size_t>(p.boundM) * K, ~0ull);
+  for (uint32_t d = 0; d < D; ++d) {
+    const uint32_t sender = g * D + d;
+    for (uint32_t e = 0; e < E; ++e) {
+      start[e] = lay.combineExpertStart(e);
+      for (uint32_t s2 = g * D; s2 < sender; ++s2) start[e] += lay.expertCount(s2, e);
+      next[e] = start[e];
+    }
+    for (uint32_t t = d; t < p.boundM; t += D) {
+      for (uint32_t k = 0; k < K; ++k) {
+        const int64_t e = load(t, k);
+        if (e < 0) continue;
+        uint32_t j = 0;
+        while (j < k && load(t, j) != e) ++j;
+        rowOf[static_cast<size_t>(t) * K + k] = j < k ? rowOf[static_cast<size_t>(t) * K + j] : next[e]++;
+      }
+    }
+    for (uint32_t e = 0; e < E; ++e) {
+      EPCOMM_CHECK(next[e] - start[e] == lay.expertCount(sender, e), kInvalidArgument,
+                   "rank " << me << ": combine indices/boundM give " << next[e] - start[e] << " tokens of rank "
+                           << sender << " for expert " << e << " but rank " << sender << " dispatched "
+                           << lay.expertCount(sender, e) << " (combine must use the indices that were dispatched)");
+    }
+  }
+
+  std::vector<const uint8_t*> ownerBase(W);
+  for (uint32_t q = 0; q < W; ++q) {
+    ownerBase[q] = q == me ? p.combineSendBuffer + lay.combineSendStart(g) * rowBytes
+                           : p.combineRecvBuffer + lay.combineRecvStart(q) * rowBytes;
+  }
+  const float* w = static_cast<const float*>(a.weights.data);
+  std::vector<float> acc(H);
+  const DType outType = a.outTokens.dtype;
+  for (uint32_t t = 0; t < p.boundM; ++t) {
+    const int64_t outOff = static_cast<int64_t>(t) * c.outRowStride;
+    for (uint32_t h = 0; h < H; ++h) acc[h] = a.accumulate ? loadAsFloat(outType, a.outTokens.data, outOff + h) : 0.0f;
+    for (uint32_t k = 0; k < K; ++k) {
+      const int64_t e = load(t, k);
+      if (e < 0) continue;
+      const float wk = w[t * c.weightStrides[0] + k * c.weightStrides[1]];
+      const uint8_t* y = ownerBase[expertOwner(static_cast<uint32_t>(e), L)] + rowOf[t * K + k] * rowBytes;
+      for (uint32_t h = 0; h < H; ++h) acc[h] += wk * loadAsFloat(p.yDtype, y, h);
+    }
+    for (uint32_t h = 0; h < H; ++h) storeFromFloat(outType, a.outTokens.data, outOff + h, acc[h]);
+  }
+}
+
+}  // namespace host
+}  // namespace epcomm

@@ -1,0 +1,416 @@
+#include "proxy/proxy_channel.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "core/env.hpp"
+#include "core/log.hpp"
+#include "epcomm/error.hpp"
+
+namespace epcomm {
+namespace proxy {
+
+namespace {
+
+int64_t nowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Polling pause: yield first (a peer usually answers within microseconds), then sleep so that ranks sharing few
+// cores do not starve each other's progress threads.
+class Backoff {
+ public:
+  void pause() {
+    ++n_;
+    if (n_ < 64) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(n_ < 2048 ? 20 : 200));
+    }
+  }
+
+ private:
+  uint32_t n_ = 0;
+};
+
+// allGather of variable-length blobs: lengths first, then blobs padded to the longest.
+std::vector<std::vector<uint8_t>> allGatherBlobs(Bootstrap& bootstrap, const std::vector<uint8_t>& mine) {
+  const int world = bootstrap.worldSize();
+  uint64_t len = mine.size();
+  std::vector<uint64_t> lens(world);
+  bootstrap.allGather(&len, lens.data(), sizeof(len));
+  const uint64_t maxLen = *std::max_element(lens.begin(), lens.end());
+  std::vector<uint8_t> padded(maxLen, 0), all(maxLen * world);
+  std::memcpy(padded.data(), mine.data(), mine.size());
+  if (maxLen > 0) bootstrap.allGather(padded.data(), all.data(), maxLen);
+  std::vector<std::vector<uint8_t>> out(world);
+  for (int r = 0; r < world; ++r) out[r].assign(all.begin() + r * maxLen, all.begin() + r * maxLen + lens[r]);
+  return out;
+}
+
+std::string rankList(const std::vector<uint32_t>& ranks) {
+  std::ostringstream oss;
+  oss << (ranks.size() == 1 ? "rank " : "ranks ");
+  for (size_t i = 0; i < ranks.size(); ++i) oss << (i ? ", " : "") << ranks[i];
+  return oss.str();
+}
+
+std::atomic<uint32_t> gNextObjectId{0};
+
+}  // namespace
+
+void ProxyChannel::FreeBytes::operator()(uint8_t* p) const { std::free(p); }
+
+ProxyChannel::ProxyChannel(const Config& config, Bootstrap& bootstrap, const ChannelOptions& options)
+    : config_(config) {
+  sizes_ = computeSizes(config, options.privateTokens);
+  timeoutMs_ = options.timeoutMs > 0 ? options.timeoutMs : env().timeoutMs;
+  rank_ = config.rank;
+  world_ = config.worldSize;
+
+  // Rank 0 names the object; every rank uses its tags. Ids only need to differ between objects sharing an engine.
+  uint32_t id = gNextObjectId.fetch_add(1) % kMaxObjectIds;
+  bootstrap.broadcast(&id, sizeof(id), 0);
+  objectId_ = id;
+
+  auto alloc = [](uint64_t bytes) {
+    const uint64_t rounded = roundUpPow2(std::max<uint64_t>(bytes, 1), 4096);
+    uint8_t* p = static_cast<uint8_t*>(std::aligned_alloc(4096, rounded));
+    EPCOMM_CHECK(p != nullptr, kSystem, "cannot allocate " << rounded << " bytes of host/proxy buffers");
+    std::memset(p, 0, rounded);
+    return std::unique_ptr<uint8_t, FreeBytes>(p);
+  };
+  sendBuf_ = alloc(sizes_.sendBytes);
+  recvBuf_ = alloc(sizes_.recvBytes);
+  combineSendBuf_ = alloc(sizes_.combineSendBytes);
+  combineRecvBuf_ = alloc(sizes_.combineRecvBytes);
+
+  fabric::EngineOptions eo;
+  eo.provider = !options.provider.empty() ? options.provider : env().fabricProvider;
+  eo.numNics = 1;
+  eo.progressCpu = env().proxyCpu;
+  eo.timeoutMs = timeoutMs_;
+  engine_ = fabric::TransferEngine::create(eo);
+  sendMr_ = engine_->registerMemory(sendBuf_.get(), roundUpPow2(std::max<uint64_t>(sizes_.sendBytes, 1), 4096));
+  recvMr_ = engine_->registerMemory(recvBuf_.get(), roundUpPow2(std::max<uint64_t>(sizes_.recvBytes, 1), 4096));
+  combineSendMr_ =
+      engine_->registerMemory(combineSendBuf_.get(), roundUpPow2(std::max<uint64_t>(sizes_.combineSendBytes, 1), 4096));
+  combineRecvMr_ =
+      engine_->registerMemory(combineRecvBuf_.get(), roundUpPow2(std::max<uint64_t>(sizes_.combineRecvBytes, 1), 4096));
+
+  const auto addresses = allGatherBlobs(bootstrap, engine_->address());
+  const auto recvDescs = allGatherBlobs(bootstrap, recvMr_->desc().serialize());
+  const auto combineDescs = allGatherBlobs(bootstrap, combineRecvMr_->desc().serialize());
+  peerIds_.assign(world_, 0);
+  recvDescs_.resize(world_);
+  combineRecvDescs_.resize(world_);
+  std::vector<fabric::PeerId> members;
+  std::vector<fabric::MemoryDesc> headDsts, combineDsts;
+  for (uint32_t r = 0; r < world_; ++r) {
+    recvDescs_[r] = fabric::MemoryDesc::deserialize(recvDescs[r].data(), recvDescs[r].size());
+    combineRecvDescs_[r] = fabric::MemoryDesc::deserialize(combineDescs[r].data(), combineDescs[r].size());
+    if (r == rank_) continue;
+    peerIds_[r] = engine_->addPeer(addresses[r]);
+    peerRanks_.push_back(r);
+    members.push_back(peerIds_[r]);
+    headDsts.push_back(recvDescs_[r]);
+    combineDsts.push_back(combineRecvDescs_[r]);
+  }
+  if (!members.empty()) {
+    headGroup_ = engine_->createGroup(members, headDsts);
+    combineGroup_ = engine_->createGroup(members, combineDsts);
+  }
+  stats_.peers.assign(world_, PeerOps{});
+  // Nobody writes before every peer has registered its buffers and added its peers.
+  bootstrap.barrier();
+  EPCOMM_LOG(kInfo, "proxy channel: object " << objectId_ << " provider " << engine_->providerName() << " private "
+                                             << sizes_.privateTokens << " tokens, entry " << sizes_.entryBytes
+                                             << " bytes, " << bufferBytes() << " bytes registered");
+  thread_ = std::thread([this] { proxyLoop(); });
+}
+
+ProxyChannel::~ProxyChannel() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  // Operations this rank posted finish (or fail) before their buffers are deregistered.
+  const int64_t deadline = nowMs() + std::min<int64_t>(timeoutMs_, 2000);
+  Backoff backoff;
+  while (localDone_.load() < localPosted_ && nowMs() < deadline) backoff.pause();
+}
+
+std::string ProxyChannel::providerName() const { return engine_->providerName(); }
+
+uint64_t ProxyChannel::bufferBytes() const {
+  return sizes_.sendBytes + sizes_.recvBytes + sizes_.combineSendBytes + sizes_.combineRecvBytes;
+}
+
+const uint8_t* ProxyChannel::entry(uint32_t s, uint32_t j) const {
+  // This rank's own tokens are read straight from its send slot: no loopback copy.
+  if (s == rank_) return sendBuf_.get() + sizes_.sendSlotOffset(rank_) + sizes_.headBytes + j * sizes_.entryBytes;
+  return recvBuf_.get() + layout_.recvEntryOffset(sizes_, s, j);
+}
+
+uint8_t* ProxyChannel::combineSendRows(uint32_t g, uint64_t rowBytes) {
+  return combineSendBuf_.get() + layout_.combineSendStart(g) * rowBytes;
+}
+
+const uint8_t* ProxyChannel::combineRows(uint32_t p, uint64_t rowBytes) const {
+  if (p == rank_) return combineSendBuf_.get() + layout_.combineSendStart(rank_ / sizes_.dpSize) * rowBytes;
+  return combineRecvBuf_.get() + layout_.combineRecvStart(p) * rowBytes;
+}
+
+std::string ProxyChannel::prefix(const char* phase, uint32_t round) const {
+  std::ostringstream oss;
+  oss << "host/proxy rank " << rank_ << ": " << phase << " (object " << objectId_ << ", round " << round << ")";
+  return oss.str();
+}
+
+void ProxyChannel::rethrowIfBroken() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (error_) std::rethrow_exception(error_);
+}
+
+ChannelStats ProxyChannel::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void ProxyChannel::post(const Job& job) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (error_) std::rethrow_exception(error_);
+    jobs_.push_back(job);
+  }
+  cv_.notify_all();
+}
+
+void ProxyChannel::postDispatch() {
+  Job job{JobKind::kDispatch, ++postedSeq_, round_++, dispatchedSinceCombine_, DType::kInvalid};
+  dispatchedSinceCombine_ = true;
+  post(job);
+}
+
+void ProxyChannel::postCombine(DType yDtype) {
+  (void)combinePhase(yDtype);
+  EPCOMM_CHECK(round_ > 0, kInvalidArgument, "combine before any dispatch");
+  rowBytes_ = static_cast<uint64_t>(config_.hiddenDim) * dtypeSize(yDtype);
+  Job job{JobKind::kCombine, ++postedSeq_, round_ - 1, false, yDtype};
+  dispatchedSinceCombine_ = false;
+  post(job);
+}
+
+void ProxyChannel::waitDispatch() { waitJob(postedSeq_, "dispatch receive"); }
+void ProxyChannel::waitCombine() { waitJob(postedSeq_, "combine receive"); }
+
+void ProxyChannel::waitJob(uint64_t seq, const char* what) {
+  std::unique_lock<std::mutex> lock(mu_);
+  // The job's own waits are each bounded by the timeout; this bound only guards against a proxy bug.
+  const auto bound = std::chrono::milliseconds(4 * timeoutMs_ + 1000);
+  const bool finished = cv_.wait_for(lock, bound, [&] { return doneSeq_ >= seq || error_ != nullptr; });
+  if (error_) std::rethrow_exception(error_);
+  EPCOMM_CHECK(finished, kTimeout,
+               "host/proxy rank " << rank_ << ": " << what << " (object " << objectId_
+                                  << "): the proxy thread did not finish within " << 4 * timeoutMs_ + 1000 << " ms");
+}
+
+void ProxyChannel::proxyLoop() {
+  for (;;) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_.load() || !jobs_.empty(); });
+      if (stop_) return;
+      job = jobs_.front();
+      jobs_.pop_front();
+    }
+    try {
+      if (job.kind == JobKind::kDispatch) {
+        if (job.barrierFirst) runBarrier(job);
+        runDispatch(job);
+      } else {
+        runCombine(job);
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      doneSeq_ = job.seq;
+      if (job.kind == JobKind::kDispatch) {
+        ++stats_.dispatchRounds;
+      } else {
+        ++stats_.combineRounds;
+      }
+    } catch (...) {
+      // Never let an exception escape the thread: the next call on the object rethrows it.
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!error_) error_ = std::current_exception();
+      jobs_.clear();
+    }
+    cv_.notify_all();
+  }
+}
+
+void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32_t> senders, const char* what) {
+  const int64_t start = nowMs();
+  Backoff backoff;
+  while (!senders.empty()) {
+    bool progressed = false;
+    for (size_t i = 0; i < senders.size();) {
+      const uint32_t imm = encodeImm(objectId_, phase, round, senders[i]);
+      if (engine_->immCount(imm) >= 1) {
+        engine_->waitImm(imm, 1, what);  // consumes the arrival; returns at once
+        senders[i] = senders.back();
+        senders.pop_back();
+        progressed = true;
+      } else {
+        ++i;
+      }
+    }
+    if (senders.empty()) break;
+    std::sort(senders.begin(), senders.end());
+    if (phase >= Phase::kCombineBf16) {
+      // A peer that combined another dtype would otherwise look like a late one.
+      for (Phase other : {Phase::kCombineBf16, Phase::kCombineF16, Phase::kCombineF32}) {
+        if (other == phase) continue;
+        for (uint32_t s : senders) {
+          EPCOMM_CHECK(engine_->immCount(encodeImm(objectId_, other, round, s)) == 0, kInvalidArgument,
+                       prefix(what, round)
+                           << ": rank " << s << " sent combine rows of another expertY dtype than this rank's");
+        }
+      }
+    }
+    try {
+      engine_->checkErrors();
+    } catch (const Error& e) {
+      EPCOMM_THROW(kPeerFailure, prefix(what, round) << ": transfer failed while waiting for " << phaseName(phase)
+                                                     << " from " << rankList(senders) << ": " << e.message());
+    }
+    EPCOMM_CHECK(!stop_.load(), kInternal, prefix(what, round) << ": abandoned (object destroyed)");
+    if (nowMs() - start > timeoutMs_) {
+      EPCOMM_THROW(kTimeout, prefix(what, round) << ": no " << phaseName(phase) << " from " << rankList(senders)
+                                                 << " after " << timeoutMs_ << " ms (peer dead or stalled?)");
+    }
+    if (!progressed) backoff.pause();
+  }
+}
+
+void ProxyChannel::waitLocalCompletions(const char* what, uint32_t round) {
+  const int64_t start = nowMs();
+  Backoff backoff;
+  while (localDone_.load(std::memory_order_acquire) < localPosted_) {
+    try {
+      engine_->checkErrors();
+    } catch (const Error& e) {
+      EPCOMM_THROW(kPeerFailure, prefix(what, round) << ": a write of this rank failed: " << e.message());
+    }
+    EPCOMM_CHECK(!stop_.load(), kInternal, prefix(what, round) << ": abandoned (object destroyed)");
+    EPCOMM_CHECK(nowMs() - start <= timeoutMs_, kTimeout,
+                 prefix(what, round) << ": " << localPosted_ - localDone_.load()
+                                     << " of this rank's writes did not complete within " << timeoutMs_ << " ms");
+    backoff.pause();
+  }
+}
+
+void ProxyChannel::runBarrier(const Job& job) {
+  if (peerRanks_.empty()) return;
+  fabric::Completion done;
+  done.counter = &localDone_;
+  ++localPosted_;
+  engine_->barrier(headGroup_, encodeImm(objectId_, Phase::kBarrier, job.round, rank_), done);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (uint32_t r : peerRanks_) ++stats_.peers[r].barrierImms;
+  }
+  waitFromPeers(Phase::kBarrier, job.round, peerRanks_, "dispatch barrier");
+}
+
+void ProxyChannel::runDispatch(const Job& job) {
+  const ProtocolSizes& s = sizes_;
+  uint8_t* ownHead = sendSlot(rank_);
+  const uint32_t* ownEntries = headEntryCounts(ownHead, s.numExperts);
+  fabric::Completion done;
+  done.counter = &localDone_;
+
+  // 1. Head + private tokens to every peer, at once: nobody waits for the count exchange to start moving data.
+  if (!peerRanks_.empty()) {
+    std::vector<std::vector<fabric::ScatterSlice>> slices(peerRanks_.size());
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < peerRanks_.size(); ++i) {
+      const uint32_t p = peerRanks_[i];
+      const uint64_t n = std::min(ownEntries[p], s.privateTokens);
+      const uint64_t length = s.headBytes + n * s.entryBytes;
+      slices[i].push_back(fabric::ScatterSlice{s.sendSlotOffset(p), s.privateSlotOffset(rank_), length});
+      ++stats_.peers[p].headWrites;
+      stats_.peers[p].bytes += length;
+    }
+    ++localPosted_;
+    engine_->scatter(headGroup_, *sendMr_, slices, true, encodeImm(objectId_, Phase::kHead, job.round, rank_), done);
+  }
+
+  // 2. Every peer's head; then everybody knows every count and computes the same offsets.
+  waitFromPeers(Phase::kHead, job.round, peerRanks_, "dispatch");
+  const size_t stride = static_cast<size_t>(s.numExperts) + s.worldSize;
+  std::vector<uint32_t> counts(stride * s.worldSize);
+  for (uint32_t r = 0; r < s.worldSize; ++r) {
+    const uint8_t* head = r == rank_ ? ownHead : recvBuf_.get() + s.privateSlotOffset(r);
+    std::memcpy(counts.data() + r * stride, head, stride * 4);
+  }
+  RoundLayout layout;
+  layout.build(s, std::move(counts));
+
+  // 3. The rest as one contiguous write per peer, into that peer's overflow region.
+  std::vector<uint32_t> expectBulk;
+  for (uint32_t p : peerRanks_) {
+    const uint64_t n = layout.overflowEntries(rank_, p);
+    if (n > 0) {
+      const uint64_t length = n * s.entryBytes;
+      ++localPosted_;
+      engine_->write(peerIds_[p], *sendMr_, s.sendSlotOffset(p) + s.headBytes + s.privateTokens * s.entryBytes,
+                     recvDescs_[p], s.overflowOffset() + layout.overflowStart(rank_, p) * s.entryBytes, length, true,
+                     encodeImm(objectId_, Phase::kBulk, job.round, rank_), done);
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.peers[p].bulkWrites;
+      stats_.peers[p].bytes += length;
+    }
+    if (layout.overflowEntries(p, rank_) > 0) expectBulk.push_back(p);
+  }
+  waitFromPeers(Phase::kBulk, job.round, expectBulk, "dispatch");
+  // The send slots are repacked by the next round: this round's writes must have left them.
+  waitLocalCompletions("dispatch", job.round);
+  layout_ = std::move(layout);
+}
+
+void ProxyChannel::runCombine(const Job& job) {
+  const Phase phase = combinePhase(job.yDtype);
+  const uint32_t D = sizes_.dpSize;
+  fabric::Completion done;
+  done.counter = &localDone_;
+  if (!peerRanks_.empty()) {
+    // One write per peer: the rows of the peer's DP group (the same source range for every rank of a group).
+    std::vector<std::vector<fabric::ScatterSlice>> slices(peerRanks_.size());
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < peerRanks_.size(); ++i) {
+      const uint32_t q = peerRanks_[i];
+      const uint32_t g = q / D;
+      const uint64_t length = layout_.combineRows(rank_, g) * rowBytes_;
+      if (length > 0) {
+        slices[i].push_back(fabric::ScatterSlice{layout_.combineSendStart(g) * rowBytes_,
+                                                 layout_.combineRecvStartIn(g, rank_) * rowBytes_, length});
+      }
+      ++stats_.peers[q].combineWrites;
+      stats_.peers[q].bytes += length;
+    }
+    ++localPosted_;
+    engine_->scatter(combineGroup_, *combineSendMr_, slices, true, encodeImm(objectId_, phase, job.round, rank_), done);
+  }
+  waitFromPeers(phase, job.round, peerRanks_, "combine");
+  waitLocalCompletions("combine", job.round);
+}
+
+}  // namespace proxy
+}  // namespace epcomm
