@@ -1,0 +1,90 @@
+// The libfabric TransferEngine (internal header; the public interface is epcomm/fabric/transfer_engine.hpp).
+#pragma once
+
+#include <rdma/fabric.h>
+#include <rdma/fi_eq.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "fabric/engine_base.hpp"
+
+namespace epcomm {
+namespace fabric {
+
+struct FiNic;
+struct Piece;
+
+/// FI_EP_RDM engine. One fabric/domain/AV/CQ/endpoint per NIC (numNics endpoints of one provider stand in for
+/// several NICs). Providers: "tcp" (-> "tcp;ofi_rxm"), "verbs" (-> "verbs;ofi_rxm"), "shm", "efa", "sockets".
+/// Every libfabric call on a domain is serialised by that NIC's mutex (FI_THREAD_DOMAIN); submitting threads post
+/// directly and queue on FI_EAGAIN, which the progress thread (or a waiting caller) retries until the timeout.
+class LibfabricEngine : public EngineBase {
+ public:
+  /// Throws kUnavailable when the provider offers no suitable endpoint, kFabric when opening it fails.
+  explicit LibfabricEngine(const EngineOptions& options);
+  ~LibfabricEngine() override;
+
+  /// Providers usable here, in preference order (fi_getinfo names such as "tcp;ofi_rxm").
+  static std::vector<std::string> probeProviders();
+
+  std::string providerName() const override;
+  std::vector<uint8_t> address() const override;
+  PeerId addPeer(const std::vector<uint8_t>& address) override;
+  std::unique_ptr<MemoryRegion> registerMemory(void* data, size_t bytes, MemoryKind kind, int device) override;
+  void send(PeerId peer, const void* data, size_t bytes, Completion done) override;
+
+  /// Closes registrations (called by the region's destructor).
+  void deregister(std::vector<fid_mr*>& mrs);
+
+ protected:
+  Target makeTarget(PeerId peer, const MemoryDesc& desc) override;
+  void postPlan(const Target& target, const MemoryRegion* src, std::vector<NicPlan>& plan, uint32_t imm,
+                const std::shared_ptr<OpState>& op) override;
+  bool progressOnce() override;
+  size_t numPeers() const override;
+  uint64_t peerHash(PeerId peer) const override;
+
+ private:
+  using Finished = std::vector<std::shared_ptr<OpState>>;
+  struct PeerEntry {
+    uint64_t hash;
+    std::vector<fi_addr_t> addrs;
+  };
+
+  static fi_info* getInfo(const std::string& prov, bool hmem, bool ordered);
+  static std::vector<std::string> candidates(const std::string& name);
+  void openNic(FiNic& n, fi_info* info);
+  void closeAll();
+  fi_addr_t peerAddr(PeerId peer, int nic) const;
+  ssize_t postPiece(FiNic& n, Piece* p);
+  void submitLocked(FiNic& n, Piece* p, Finished& finished);
+  void retryPending(FiNic& n, Finished& finished);
+  void pieceDone(FiNic& n, Piece* p, const std::string& error, Finished& finished);
+  void handleEntry(FiNic& n, const fi_cq_data_entry& e, Finished& finished);
+  void handleError(FiNic& n, Finished& finished);
+  void sweep(FiNic& n, Finished& finished);
+  std::string describe(const Piece* p, const char* call) const;
+
+  std::string prov_;
+  bool virtAddr_ = true;
+  bool mrLocal_ = false;
+  bool provKey_ = true;
+  bool mrEndpoint_ = false;
+  bool rxCqData_ = false;
+  bool ordered_ = false;
+  bool hmem_ = false;
+  size_t injectSize_ = 0;
+  uint64_t maxMsg_ = 1ull << 30;
+  uint64_t selfHash_ = 0;
+  std::atomic<uint64_t> nextKey_{1};
+  std::vector<std::unique_ptr<FiNic>> nics_;
+  mutable std::mutex peersMu_;
+  std::vector<PeerEntry> peers_;
+};
+
+}  // namespace fabric
+}  // namespace epcomm
