@@ -1,0 +1,86 @@
+// The epcomm-plan executable, run as a real process: output and exit codes (0 ok, 2 bad arguments).
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <string>
+
+namespace {
+
+struct Result {
+  int code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+Result runPlan(const std::string& args) {
+  Result r;
+  const std::string cmd = std::string(EPCOMM_PLAN_EXE) + " " + args + " 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) r.output.append(buf, n);
+  const int status = pclose(pipe);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+bool has(const Result& r, const std::string& s) { return r.output.find(s) != std::string::npos; }
+
+TEST(PlanCli, DecodeTable) {
+  const Result r = runPlan("--config decode --world 8");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_TRUE(has(r, "total per GPU (rank): 680.75 MiB")) << r.output;
+  EXPECT_TRUE(has(r, "outExpertXScale")) << r.output;
+}
+
+TEST(PlanCli, PackedDpAndBackend) {
+  const Result r = runPlan("--config decode --world 8 --dp 2 --rank 3 --layout packed --padding 64 --backend nvshmem");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_TRUE(has(r, "D=2 pad=64 packed rank=3")) << r.output;
+  EXPECT_TRUE(has(r, "nvshmem")) << r.output;
+}
+
+TEST(PlanCli, Env) {
+  const Result r = runPlan("--env");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_TRUE(has(r, "| variable | default | meaning |")) << r.output;
+  EXPECT_TRUE(has(r, "| `EPCOMM_TIMEOUT_MS` | `10000` |")) << r.output;
+}
+
+TEST(PlanCli, Reference) {
+  const Result r = runPlan("--reference --tokens 16");
+  EXPECT_EQ(r.code, 0) << r.output;
+  for (const char* name : {"| decode ", "| prefill ", "| small ", "| qwen3 "}) EXPECT_TRUE(has(r, name)) << r.output;
+  EXPECT_FALSE(has(r, "MISMATCH")) << r.output;
+}
+
+TEST(PlanCli, BadArgumentsExitWith2) {
+  struct Case {
+    const char* args;
+    const char* message;
+  };
+  for (const Case& c : {Case{"--config decode", "--world is required"}, Case{"--world 8", "--config is required"},
+                        Case{"--config mixtral --world 8", "unknown standard config 'mixtral'"},
+                        Case{"--config decode --world eight", "--world needs a non-negative integer, got 'eight'"},
+                        Case{"--config decode --world -8", "--world needs a non-negative integer"},
+                        Case{"--config decode --world 3", "numExperts 256 is not a multiple of worldSize 3"},
+                        Case{"--config decode --world 8 --padding 3", "expertPadding 3 is not a power of two"},
+                        Case{"--config decode --world 8 --layout ragged", "--layout must be batched or packed"},
+                        Case{"--config decode --world 8 --backend ib", "--backend must be"},
+                        Case{"--config decode --world 8 --rank 8", "rank 8 is out of range"},
+                        Case{"--config decode --world", "--world needs a value"},
+                        Case{"--frobnicate", "unknown argument '--frobnicate'"}}) {
+    const Result r = runPlan(c.args);
+    EXPECT_EQ(r.code, 2) << c.args << ": " << r.output;
+    EXPECT_TRUE(has(r, c.message)) << c.args << ": " << r.output;
+  }
+}
+
+TEST(PlanCli, Help) {
+  const Result r = runPlan("--help");
+  EXPECT_EQ(r.code, 0);
+  EXPECT_TRUE(has(r, "usage: epcomm-plan")) << r.output;
+}
+
+}  // namespace
