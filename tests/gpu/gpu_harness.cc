@@ -1,0 +1,486 @@
+#include "gpu_harness.hpp"
+
+#include <cuda_runtime.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <sstream>
+
+#include "core/dtype_convert.hpp"
+#include "epcomm/error.hpp"
+
+#define GT_CUDA(expr)                                                                    \
+  do {                                                                                   \
+    cudaError_t e_ = (expr);                                                             \
+    if (e_ != cudaSuccess) EPCOMM_THROW(kCuda, #expr << ": " << cudaGetErrorString(e_)); \
+  } while (0)
+
+namespace epcomm {
+namespace gputest {
+
+using reference::HostTensor;
+
+int gpuCount() {
+  static int cached = -1;
+  if (cached >= 0) return cached;
+  pid_t pid = fork();
+  if (pid == 0) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
+    _exit(n > 100 ? 100 : n);
+  }
+  int status = 0;
+  if (pid < 0 || waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) {
+    cached = 0;
+  } else {
+    cached = WEXITSTATUS(status);
+  }
+  return cached;
+}
+
+DeviceBuffer::DeviceBuffer(size_t bytes) : bytes_(bytes) { GT_CUDA(cudaMalloc(&p_, bytes < 256 ? 256 : bytes)); }
+
+DeviceBuffer::~DeviceBuffer() {
+  if (p_ != nullptr) cudaFree(p_);
+}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
+  if (this != &o) {
+    if (p_ != nullptr) cudaFree(p_);
+    p_ = o.p_;
+    bytes_ = o.bytes_;
+    o.p_ = nullptr;
+  }
+  return *this;
+}
+
+void DeviceBuffer::upload(const void* src, size_t n) {
+  if (n > 0) GT_CUDA(cudaMemcpy(p_, src, n, cudaMemcpyHostToDevice));
+}
+
+void DeviceBuffer::download(void* dst, size_t n) const {
+  if (n > 0) GT_CUDA(cudaMemcpy(dst, p_, n, cudaMemcpyDeviceToHost));
+}
+
+Config scenarioConfig(const Scenario& s, uint32_t rank) {
+  Config c;
+  c.maxNumTokens = s.maxTokens;
+  c.numExperts = s.experts;
+  c.expertsPerToken = s.topK;
+  c.worldSize = s.world;
+  c.rank = rank;
+  c.dpSize = s.dp;
+  c.hiddenDim = s.hidden;
+  c.hiddenDimBytes = s.hidden * dtypeSize(s.xType);
+  c.hiddenDimScaleBytes = s.scales ? s.hidden / 64 * 4 : 0;
+  c.expertPadding = s.padding;
+  c.layout = s.layout;
+  return c;
+}
+
+namespace {
+
+uint32_t scaleCols(const Scenario& s) { return s.scales ? s.hidden / 64 : 0; }
+
+// Shapes shared by host and device tensors of one rank.
+struct Shapes {
+  uint32_t L, R, P, S, K, H, xCols;
+  uint64_t rows;        // rows of outExpertX / expertY
+  uint64_t scaleElems;  // elements of the strided outExpertXScale allocation
+};
+
+Shapes shapesOf(const Scenario& s) {
+  Config c = scenarioConfig(s, 0);
+  Shapes sh{};
+  sh.L = c.numLocalExperts();
+  sh.R = static_cast<uint32_t>(c.batchedRowsPerExpert());
+  sh.P = static_cast<uint32_t>(c.packedRows());
+  sh.S = scaleCols(s);
+  sh.K = s.topK;
+  sh.H = s.hidden;
+  sh.xCols = s.hidden;
+  sh.rows = c.layout == Layout::kBatched ? static_cast<uint64_t>(sh.L) * sh.R : sh.P;
+  sh.scaleElems = sh.rows * (sh.S + 1);
+  return sh;
+}
+
+TensorView expertView(const Scenario& s, const Shapes& sh, void* data, DType dtype, int64_t cols, MemoryKind mem,
+                      int dev) {
+  if (s.layout == Layout::kBatched) return TensorView::contiguous(data, dtype, {sh.L, sh.R, cols}, mem, dev);
+  return TensorView::contiguous(data, dtype, {sh.P, cols}, mem, dev);
+}
+
+TensorView scaleOutView(const Scenario& s, const Shapes& sh, void* data, MemoryKind mem, int dev) {
+  const int64_t rs = sh.S + 1;  // one spare column per row: any strides must work
+  if (s.layout == Layout::kBatched) {
+    return TensorView::strided(data, DType::kF32, {sh.L, sh.R, sh.S}, {sh.R * rs, rs, 1}, mem, dev);
+  }
+  return TensorView::strided(data, DType::kF32, {sh.P, sh.S}, {rs, 1}, mem, dev);
+}
+
+TensorView xScaleView(const Shapes& sh, void* data, int64_t m, MemoryKind mem, int dev) {
+  // Transposed storage: element (t, c) at c * m + t.
+  return TensorView::strided(data, DType::kF32, {m, sh.S}, {1, m > 0 ? m : 1}, mem, dev);
+}
+
+}  // namespace
+
+struct RoundData {
+  Scenario s;
+  Shapes sh;
+  Config config;
+  std::vector<int64_t> m;      // per rank
+  std::vector<int32_t> bound;  // per rank
+  std::vector<HostTensor> x, xScale, indices, weights, outCounts, outX, outXScale, expertY, outInit, outTokens,
+      absTokens;
+  std::vector<uint8_t> poisonX, poisonScale;
+};
+
+Round::Round(const Scenario& s, uint64_t seed) : d_(new RoundData) {
+  RoundData& d = *d_;
+  d.s = s;
+  d.sh = shapesOf(s);
+  d.config = scenarioConfig(s, 0);
+  const Shapes& sh = d.sh;
+  const uint32_t W = s.world, G = s.world / s.dp;
+  std::mt19937_64 rng(seed * 7919 + 17);
+  std::uniform_real_distribution<float> uni(-1.f, 1.f), pos(0.f, 1.f);
+  // Per DP group: token count, bound, and the token-level inputs shared by the group's ranks.
+  std::vector<int64_t> gm(G);
+  std::vector<int32_t> gb(G);
+  for (uint32_t g = 0; g < G; ++g) {
+    gm[g] = s.ragged ? static_cast<int64_t>(rng() % (s.maxTokens + 1)) : s.maxTokens;
+    gb[g] = s.deviceBound ? static_cast<int32_t>(rng() % (gm[g] + 1)) : static_cast<int32_t>(gm[g]);
+  }
+  const int64_t xBytes = static_cast<int64_t>(s.hidden) * dtypeSize(s.xType);
+  for (uint32_t r = 0; r < W; ++r) {
+    const uint32_t g = r / s.dp;
+    const int64_t m = gm[g];
+    d.m.push_back(m);
+    d.bound.push_back(gb[g]);
+    // Same generator seed for every rank of a group: identical tokens.
+    std::mt19937_64 gr(seed * 104729 + g);
+    HostTensor x(s.xType, {m, static_cast<int64_t>(sh.xCols)});
+    for (int64_t i = 0; i < m * xBytes; ++i) x.data<uint8_t>()[i] = static_cast<uint8_t>(gr());
+    HostTensor xs(DType::kF32, {m > 0 ? m * sh.S : 1});
+    for (int64_t i = 0; i < m * sh.S; ++i) xs.data<float>()[i] = uni(gr);
+    std::vector<int32_t> idx = reference::randomIndices(d.config, static_cast<uint32_t>(m), seed * 31 + g);
+    if (s.masked) {
+      for (int64_t t = 0; t < m; ++t) {
+        const uint64_t v = gr();
+        if (v % 4 == 0) idx[t * s.topK + (v >> 8) % s.topK] = -1;
+        if (v % 4 == 1 && s.topK > 1) {
+          const uint32_t k2 = 1 + (v >> 8) % (s.topK - 1);
+          idx[t * s.topK + k2] = idx[t * s.topK + (v >> 16) % k2];
+        }
+        if (v % 16 == 2) {
+          for (uint32_t k = 0; k < s.topK; ++k) idx[t * s.topK + k] = -1;  // fully masked token
+        }
+      }
+    }
+    HostTensor ind(s.indexType, {m, static_cast<int64_t>(s.topK)});
+    for (int64_t i = 0; i < m * s.topK; ++i) {
+      if (s.indexType == DType::kI64) {
+        ind.data<int64_t>()[i] = idx[i];
+      } else {
+        ind.data<int32_t>()[i] = idx[i];  // -1 is 0xFFFFFFFF for uint32
+      }
+    }
+    HostTensor w(DType::kF32, {m, static_cast<int64_t>(s.topK)});
+    for (int64_t i = 0; i < m * s.topK; ++i) w.data<float>()[i] = pos(gr);
+    d.x.push_back(std::move(x));
+    d.xScale.push_back(std::move(xs));
+    d.indices.push_back(std::move(ind));
+    d.weights.push_back(std::move(w));
+  }
+  // Outputs, poisoned so that rows nobody should write are checked too.
+  d.poisonX.assign(sh.rows * xBytes, 0xA5);
+  d.poisonScale.assign(sh.scaleElems * 4, 0xA5);
+  for (uint32_t r = 0; r < W; ++r) {
+    HostTensor counts(DType::kI32, {sh.L});
+    std::memset(counts.data<void>(), 0xA5, counts.bytes());
+    HostTensor ox(s.xType, {static_cast<int64_t>(sh.rows * sh.xCols)});
+    std::memcpy(ox.data<void>(), d.poisonX.data(), d.poisonX.size());
+    HostTensor os(DType::kF32, {static_cast<int64_t>(sh.scaleElems > 0 ? sh.scaleElems : 1)});
+    std::memcpy(os.data<void>(), d.poisonScale.data(), d.poisonScale.size());
+    HostTensor y(s.yType, {static_cast<int64_t>(sh.rows * sh.H)});
+    std::mt19937_64 yr(seed * 15485863 + r);
+    for (uint64_t i = 0; i < sh.rows * sh.H; ++i) storeFromFloat(s.yType, y.data<void>(), i, uni(yr));
+    const int64_t m = d.m[r];
+    HostTensor init(s.outType, {m, static_cast<int64_t>(sh.H)});
+    for (int64_t i = 0; i < m * sh.H; ++i) {
+      if (s.accumulate) {
+        storeFromFloat(s.outType, init.data<void>(), i, uni(yr));
+      } else {
+        std::memset(static_cast<uint8_t*>(init.data<void>()) + i * dtypeSize(s.outType), 0x7B, dtypeSize(s.outType));
+      }
+    }
+    d.outCounts.push_back(std::move(counts));
+    d.outX.push_back(std::move(ox));
+    d.outXScale.push_back(std::move(os));
+    d.expertY.push_back(std::move(y));
+    d.outInit.push_back(std::move(init));
+  }
+  // Reference dispatch.
+  std::vector<DispatchArgs> da(W);
+  for (uint32_t r = 0; r < W; ++r) {
+    DispatchArgs& a = da[r];
+    a.outExpertNumTokens = d.outCounts[r].view();
+    a.outExpertX = expertView(s, sh, d.outX[r].data<void>(), s.xType, sh.xCols, MemoryKind::kHost, -1);
+    if (s.scales) {
+      a.outExpertXScale = scaleOutView(s, sh, d.outXScale[r].data<void>(), MemoryKind::kHost, -1);
+      a.xScale = xScaleView(sh, d.xScale[r].data<void>(), d.m[r], MemoryKind::kHost, -1);
+    }
+    a.x = d.x[r].view();
+    a.indices = d.indices[r].view();
+    a.boundM = &d.bound[r];
+  }
+  reference::dispatch(d.config, da);
+  // Reference combine, and the same with |w| and |y| in fp32: the magnitude that bounds the rounding error.
+  std::vector<CombineArgs> ca(W), cabs(W);
+  std::vector<HostTensor> absW, absY;
+  for (uint32_t r = 0; r < W; ++r) {
+    const int64_t m = d.m[r];
+    HostTensor out(s.outType, {m, static_cast<int64_t>(sh.H)});
+    std::memcpy(out.data<void>(), d.outInit[r].data<void>(), out.bytes());
+    d.outTokens.push_back(std::move(out));
+    HostTensor aw(DType::kF32, {m, static_cast<int64_t>(s.topK)});
+    for (int64_t i = 0; i < m * s.topK; ++i) aw.data<float>()[i] = std::fabs(d.weights[r].data<float>()[i]);
+    HostTensor ay(DType::kF32, {static_cast<int64_t>(sh.rows * sh.H)});
+    for (uint64_t i = 0; i < sh.rows * sh.H; ++i) {
+      ay.data<float>()[i] = std::fabs(loadAsFloat(s.yType, d.expertY[r].data<void>(), i));
+    }
+    absW.push_back(std::move(aw));
+    absY.push_back(std::move(ay));
+    HostTensor at(DType::kF32, {m, static_cast<int64_t>(sh.H)});
+    d.absTokens.push_back(std::move(at));
+  }
+  for (uint32_t r = 0; r < W; ++r) {
+    CombineArgs& a = ca[r];
+    a.outTokens = d.outTokens[r].view();
+    a.indices = d.indices[r].view();
+    a.weights = d.weights[r].view();
+    a.expertY = expertView(s, sh, d.expertY[r].data<void>(), s.yType, sh.H, MemoryKind::kHost, -1);
+    a.boundM = &d.bound[r];
+    a.accumulate = s.accumulate;
+    CombineArgs& b = cabs[r];
+    b = a;
+    b.outTokens = d.absTokens[r].view();
+    b.weights = absW[r].view();
+    b.expertY = expertView(s, sh, absY[r].data<void>(), DType::kF32, sh.H, MemoryKind::kHost, -1);
+    b.accumulate = false;
+  }
+  reference::combine(d.config, ca);
+  reference::combine(d.config, cabs);
+}
+
+Round::~Round() { delete d_; }
+
+void allocateDevice(const Scenario& s, uint32_t rank, DeviceTensors& dev) {
+  const Shapes sh = shapesOf(s);
+  int device = 0;
+  GT_CUDA(cudaGetDevice(&device));
+  const MemoryKind kc = MemoryKind::kCuda;
+  const int64_t T = s.maxTokens;
+  dev.x = DeviceBuffer(T * s.hidden * dtypeSize(s.xType));
+  dev.xScale = DeviceBuffer(T * sh.S * 4);
+  dev.indices = DeviceBuffer(T * s.topK * dtypeSize(s.indexType));
+  dev.weights = DeviceBuffer(T * s.topK * 4);
+  dev.boundM = DeviceBuffer(4);
+  dev.outCounts = DeviceBuffer(sh.L * 4);
+  dev.outX = DeviceBuffer(sh.rows * s.hidden * dtypeSize(s.xType));
+  dev.outXScale = DeviceBuffer(sh.scaleElems * 4);
+  dev.expertY = DeviceBuffer(sh.rows * s.hidden * dtypeSize(s.yType));
+  dev.outTokens = DeviceBuffer(T * s.hidden * dtypeSize(s.outType));
+  (void)rank;
+  (void)device;
+  (void)kc;
+}
+
+namespace {
+
+// Fills the argument views for this round's m (the tensors' first dimension is m; the pointers stay fixed).
+void bindArgs(const Scenario& s, const Shapes& sh, int64_t m, DeviceTensors& dev) {
+  int device = 0;
+  GT_CUDA(cudaGetDevice(&device));
+  const MemoryKind kc = MemoryKind::kCuda;
+  DispatchArgs& a = dev.dispatch;
+  a = DispatchArgs{};
+  a.outExpertNumTokens = TensorView::contiguous(dev.outCounts.get(), DType::kI32, {sh.L}, kc, device);
+  a.outExpertX = expertView(s, sh, dev.outX.get(), s.xType, sh.xCols, kc, device);
+  if (s.scales) {
+    a.outExpertXScale = scaleOutView(s, sh, dev.outXScale.get(), kc, device);
+    a.xScale = xScaleView(sh, dev.xScale.get(), m, kc, device);
+  }
+  a.x = TensorView::contiguous(dev.x.get(), s.xType, {m, static_cast<int64_t>(sh.xCols)}, kc, device);
+  a.indices = TensorView::contiguous(dev.indices.get(), s.indexType, {m, static_cast<int64_t>(s.topK)}, kc, device);
+  a.boundM = s.deviceBound ? static_cast<const int32_t*>(dev.boundM.get()) : nullptr;
+  CombineArgs& c = dev.combine;
+  c = CombineArgs{};
+  c.outTokens = TensorView::contiguous(dev.outTokens.get(), s.outType, {m, static_cast<int64_t>(sh.H)}, kc, device);
+  c.indices = a.indices;
+  c.weights = TensorView::contiguous(dev.weights.get(), DType::kF32, {m, static_cast<int64_t>(s.topK)}, kc, device);
+  c.expertY = expertView(s, sh, dev.expertY.get(), s.yType, sh.H, kc, device);
+  c.boundM = a.boundM;
+  c.accumulate = s.accumulate;
+}
+
+float epsOf(DType t) {
+  switch (t) {
+    case DType::kBf16:
+      return 1.f / 128;
+    case DType::kF16:
+      return 1.f / 1024;
+    default:
+      return 1e-6f;
+  }
+}
+
+}  // namespace
+
+void Round::upload(uint32_t rank, DeviceTensors& dev) const {
+  const RoundData& d = *d_;
+  const Scenario& s = d.s;
+  bindArgs(s, d.sh, d.m[rank], dev);
+  dev.x.upload(d.x[rank].data<void>(), d.x[rank].bytes());
+  if (s.scales) dev.xScale.upload(d.xScale[rank].data<void>(), d.m[rank] * d.sh.S * 4);
+  dev.indices.upload(d.indices[rank].data<void>(), d.indices[rank].bytes());
+  dev.weights.upload(d.weights[rank].data<void>(), d.weights[rank].bytes());
+  dev.boundM.upload(&d.bound[rank], 4);
+  std::vector<uint8_t> poison(d.sh.L * 4, 0xA5);
+  dev.outCounts.upload(poison.data(), poison.size());
+  dev.outX.upload(d.poisonX.data(), d.poisonX.size());
+  dev.outXScale.upload(d.poisonScale.data(), d.poisonScale.size());
+  dev.expertY.upload(d.expertY[rank].data<void>(), d.expertY[rank].bytes());
+  dev.outTokens.upload(d.outInit[rank].data<void>(), d.outInit[rank].bytes());
+}
+
+std::string Round::check(uint32_t rank, const DeviceTensors& dev) const {
+  const RoundData& d = *d_;
+  const Scenario& s = d.s;
+  const Shapes& sh = d.sh;
+  std::ostringstream err;
+  int problems = 0;
+  auto note = [&](const std::string& what) {
+    if (problems++ < 8) err << what << "\n";
+  };
+  std::vector<int32_t> counts(sh.L);
+  dev.outCounts.download(counts.data(), sh.L * 4);
+  for (uint32_t le = 0; le < sh.L; ++le) {
+    if (counts[le] != d.outCounts[rank].data<int32_t>()[le]) {
+      note("count of local expert " + std::to_string(le) + ": got " + std::to_string(counts[le]) + ", expected " +
+           std::to_string(d.outCounts[rank].data<int32_t>()[le]));
+    }
+  }
+  const size_t rowBytes = static_cast<size_t>(s.hidden) * dtypeSize(s.xType);
+  std::vector<uint8_t> ox(sh.rows * rowBytes);
+  dev.outX.download(ox.data(), ox.size());
+  for (uint64_t row = 0; row < sh.rows; ++row) {
+    if (std::memcmp(ox.data() + row * rowBytes, d.outX[rank].data<uint8_t>() + row * rowBytes, rowBytes) != 0) {
+      note("outExpertX row " + std::to_string(row) + " differs");
+    }
+  }
+  if (s.scales) {
+    std::vector<uint8_t> os(sh.scaleElems * 4);
+    dev.outXScale.download(os.data(), os.size());
+    if (std::memcmp(os.data(), d.outXScale[rank].data<uint8_t>(), os.size()) != 0) note("outExpertXScale differs");
+  }
+  const int64_t m = d.m[rank];
+  const size_t item = dtypeSize(s.outType);
+  std::vector<uint8_t> out(m * sh.H * item);
+  dev.outTokens.download(out.data(), out.size());
+  const float tolRel = epsOf(s.yType) + epsOf(s.outType) + 1e-5f;
+  for (int64_t t = 0; t < m; ++t) {
+    for (uint32_t h = 0; h < sh.H; ++h) {
+      const int64_t i = t * sh.H + h;
+      if (t >= d.bound[rank]) {
+        if (std::memcmp(out.data() + i * item, d.outInit[rank].data<uint8_t>() + i * item, item) != 0) {
+          note("outTokens row " + std::to_string(t) + " >= boundM " + std::to_string(d.bound[rank]) + " was written");
+          break;
+        }
+        continue;
+      }
+      const float got = loadAsFloat(s.outType, out.data(), i);
+      const float want = loadAsFloat(s.outType, d.outTokens[rank].data<void>(), i);
+      float mag = d.absTokens[rank].data<float>()[i];
+      if (s.accumulate) mag += std::fabs(loadAsFloat(s.outType, d.outInit[rank].data<void>(), i));
+      const float tol = tolRel * mag + 1e-6f;
+      if (!(std::fabs(got - want) <= tol)) {
+        std::ostringstream o;
+        o << "outTokens[" << t << ", " << h << "] = " << got << ", expected " << want << " (tol " << tol << ")";
+        note(o.str());
+      }
+    }
+  }
+  if (problems > 8) err << "... " << problems << " problems in all\n";
+  return err.str();
+}
+
+std::vector<uint8_t> Round::snapshot(const DeviceTensors& dev) {
+  std::vector<uint8_t> all;
+  for (const DeviceBuffer* b : {&dev.outCounts, &dev.outX, &dev.outXScale, &dev.outTokens}) {
+    std::vector<uint8_t> v(b->bytes());
+    b->download(v.data(), v.size());
+    all.insert(all.end(), v.begin(), v.end());
+  }
+  return all;
+}
+
+std::string runScenario(const Scenario& s, uint32_t rank, Bootstrap& bootstrap) {
+  int count = 0;
+  GT_CUDA(cudaGetDeviceCount(&count));
+  GT_CUDA(cudaSetDevice(static_cast<int>(rank) % count));
+  const Config config = scenarioConfig(s, rank);
+  std::unique_ptr<AllToAll> a2a = createAllToAll(config, bootstrap, "nvlink");
+  DeviceTensors dev;
+  allocateDevice(s, rank, dev);
+  cudaStream_t stream = nullptr;
+  GT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  DeviceBuffer scratch(1 << 20);
+  std::vector<uint8_t> first;
+  std::string result;
+  for (int round = 0; round < s.rounds && result.empty(); ++round) {
+    const uint64_t seed = s.seed * 1000 + (round == 1 ? 0 : round);
+    Round rd(s, seed);
+    rd.upload(rank, dev);
+    dev.dispatch.stream = stream;
+    dev.combine.stream = stream;
+    if (s.split) {
+      // Between the halves the caller's work runs on the same stream.
+      DispatchArgs send = dev.dispatch, recv = dev.dispatch;
+      send.doRecv = false;
+      recv.doSend = false;
+      a2a->dispatch(send);
+      GT_CUDA(cudaMemsetAsync(scratch.get(), round, scratch.bytes(), stream));
+      a2a->dispatch(recv);
+      CombineArgs csend = dev.combine, crecv = dev.combine;
+      csend.doRecv = false;
+      crecv.doSend = false;
+      a2a->combine(csend);
+      GT_CUDA(cudaMemsetAsync(scratch.get(), round + 1, scratch.bytes(), stream));
+      a2a->combine(crecv);
+    } else {
+      a2a->dispatch(dev.dispatch);
+      a2a->combine(dev.combine);
+    }
+    a2a->synchronize();
+    std::string err = rd.check(rank, dev);
+    if (!err.empty()) {
+      result = "rank " + std::to_string(rank) + " round " + std::to_string(round) + ":\n" + err;
+      break;
+    }
+    if (round == 0) first = Round::snapshot(dev);
+    if (round == 1 && Round::snapshot(dev) != first) {
+      result = "rank " + std::to_string(rank) + ": round 1 repeated round 0's inputs but the outputs differ bitwise";
+    }
+  }
+  cudaStreamDestroy(stream);
+  return result;
+}
+
+}  // namespace gputest
+}  // namespace epcomm

@@ -1,0 +1,368 @@
+// The nvlink backend against the CPU reference, one process per GPU (forked before any CUDA call, TCP bootstrap).
+// On a machine without enough GPUs every test reports skipped.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "epcomm/error.hpp"
+#include "gpu_harness.hpp"
+#include "support/multiprocess.hpp"
+
+namespace epcomm {
+namespace {
+
+using gputest::DeviceBuffer;
+using gputest::DeviceTensors;
+using gputest::Round;
+using gputest::Scenario;
+
+#define REQUIRE_GPUS(n)                                                                              \
+  do {                                                                                               \
+    const int have_ = gputest::gpuCount();                                                           \
+    if (have_ == 0) GTEST_SKIP() << "no CUDA device";                                                \
+    if (have_ < (n)) GTEST_SKIP() << "needs " << (n) << " CUDA devices, this machine has " << have_; \
+  } while (0)
+
+#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+test::RunOptions options() {
+  test::RunOptions o;
+  o.deadlineMs = 240000;
+  return o;
+}
+
+// Runs every scenario in `list` on `world` ranks (one process each); each scenario creates its own object.
+void runAll(int world, const std::vector<Scenario>& list) {
+  if (world == 1 && std::getenv("NVLINK_TEST_INPROCESS") != nullptr) {
+    // For compute-sanitizer: no fork, one rank in this process.
+    std::unique_ptr<Bootstrap> self = createSelfBootstrap();
+    for (size_t i = 0; i < list.size(); ++i) {
+      std::string err = gputest::runScenario(list[i], 0, *self);
+      ASSERT_TRUE(err.empty()) << "scenario " << i << ": " << err;
+    }
+    return;
+  }
+  test::RunResult result = test::runRanks(
+      world,
+      [&](int rank, Bootstrap& bootstrap) {
+        for (size_t i = 0; i < list.size(); ++i) {
+          std::string err = gputest::runScenario(list[i], static_cast<uint32_t>(rank), bootstrap);
+          ASSERT_TRUE(err.empty()) << "scenario " << i << ": " << err;
+        }
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+Scenario base(uint32_t world) {
+  Scenario s;
+  s.world = world;
+  return s;
+}
+
+TEST(NvlinkGpu, W1Basic) {
+  REQUIRE_GPUS(1);
+  runAll(1, {base(1)});
+}
+
+TEST(NvlinkGpu, W1MaskedRaggedBoundPackedPadded) {
+  REQUIRE_GPUS(1);
+  Scenario s = base(1);
+  s.masked = true;
+  s.deviceBound = true;
+  s.layout = Layout::kPacked;
+  s.padding = 8;
+  Scenario b = s;
+  b.layout = Layout::kBatched;
+  b.padding = 4;
+  b.indexType = DType::kU32;
+  Scenario c = s;
+  c.indexType = DType::kI64;
+  c.split = true;
+  c.accumulate = true;
+  runAll(1, {s, b, c});
+}
+
+TEST(NvlinkGpu, W2Basic) {
+  REQUIRE_GPUS(2);
+  runAll(2, {base(2)});
+}
+
+TEST(NvlinkGpu, W2MaskedRaggedBoundLayouts) {
+  REQUIRE_GPUS(2);
+  std::vector<Scenario> list;
+  for (Layout layout : {Layout::kBatched, Layout::kPacked}) {
+    for (uint32_t pad : {1u, 16u}) {
+      Scenario s = base(2);
+      s.masked = true;
+      s.deviceBound = true;
+      s.layout = layout;
+      s.padding = pad;
+      s.seed = 10 + pad;
+      list.push_back(s);
+    }
+  }
+  runAll(2, list);
+}
+
+TEST(NvlinkGpu, W2SplitAccumulate) {
+  REQUIRE_GPUS(2);
+  Scenario s = base(2);
+  s.split = true;
+  s.accumulate = true;
+  s.masked = true;
+  Scenario f = s;
+  f.split = false;
+  runAll(2, {s, f});
+}
+
+TEST(NvlinkGpu, W2DpGroupD2) {
+  REQUIRE_GPUS(2);
+  Scenario s = base(2);
+  s.dp = 2;
+  s.masked = true;
+  s.deviceBound = true;
+  Scenario p = s;
+  p.layout = Layout::kPacked;
+  p.padding = 4;
+  p.split = true;
+  runAll(2, {s, p});
+}
+
+TEST(NvlinkGpu, W2DecodeShape) {
+  REQUIRE_GPUS(2);
+  Scenario s = base(2);
+  s.experts = 256;
+  s.topK = 8;
+  s.hidden = 7168;
+  s.maxTokens = 128;
+  s.xType = DType::kFp8E4M3;
+  s.scales = true;
+  s.ragged = false;
+  s.rounds = 2;
+  runAll(2, {s});
+}
+
+// Every payload dtype with every (expertY, outTokens) pair, on one and on two GPUs.
+std::vector<Scenario> dtypeMatrix(uint32_t world) {
+  std::vector<Scenario> list;
+  const DType payloads[] = {DType::kFp8E4M3, DType::kBf16, DType::kF16, DType::kF32};
+  const DType combine[] = {DType::kBf16, DType::kF16, DType::kF32};
+  uint64_t seed = 100;
+  for (DType p : payloads) {
+    for (DType y : combine) {
+      for (DType o : combine) {
+        Scenario s = base(world);
+        s.xType = p;
+        s.scales = p == DType::kFp8E4M3;
+        s.yType = y;
+        s.outType = o;
+        s.hidden = 128;
+        s.rounds = 1;
+        s.masked = true;
+        s.seed = seed++;
+        list.push_back(s);
+      }
+    }
+  }
+  return list;
+}
+
+TEST(NvlinkGpu, W1DtypeMatrix) {
+  REQUIRE_GPUS(1);
+  runAll(1, dtypeMatrix(1));
+}
+
+TEST(NvlinkGpu, W2DtypeMatrix) {
+  REQUIRE_GPUS(2);
+  runAll(2, dtypeMatrix(2));
+}
+
+// Two objects (micro-batches) in flight at once on two streams, each with its own buffers and flags.
+TEST(NvlinkGpu, W2TwoObjectsInFlight) {
+  REQUIRE_GPUS(2);
+  test::RunResult result = test::runRanks(
+      2,
+      [](int rank, Bootstrap& bootstrap) {
+        int count = 0;
+        ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+        ASSERT_EQ(cudaSetDevice(rank % count), cudaSuccess);
+        Scenario sa = base(2), sb = base(2);
+        sb.layout = Layout::kPacked;
+        sb.hidden = 512;
+        sb.masked = true;
+        auto a = createAllToAll(gputest::scenarioConfig(sa, rank), bootstrap, "nvlink");
+        auto b = createAllToAll(gputest::scenarioConfig(sb, rank), bootstrap, "nvlink");
+        DeviceTensors da, db;
+        gputest::allocateDevice(sa, rank, da);
+        gputest::allocateDevice(sb, rank, db);
+        cudaStream_t s1, s2;
+        ASSERT_EQ(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking), cudaSuccess);
+        ASSERT_EQ(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking), cudaSuccess);
+        for (int round = 0; round < 3; ++round) {
+          Round ra(sa, 500 + round), rb(sb, 600 + round);
+          ra.upload(rank, da);
+          rb.upload(rank, db);
+          da.dispatch.stream = da.combine.stream = s1;
+          db.dispatch.stream = db.combine.stream = s2;
+          a->dispatch(da.dispatch);
+          b->dispatch(db.dispatch);
+          a->combine(da.combine);
+          b->combine(db.combine);
+          a->synchronize();
+          b->synchronize();
+          std::string ea = ra.check(rank, da), eb = rb.check(rank, db);
+          ASSERT_TRUE(ea.empty()) << "object A round " << round << ": " << ea;
+          ASSERT_TRUE(eb.empty()) << "object B round " << round << ": " << eb;
+        }
+        cudaStreamDestroy(s1);
+        cudaStreamDestroy(s2);
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+// Capture dispatch + combine once; replay 100 times with new inputs and a new *boundM each time.
+void graphReplay(int world) {
+  test::RunResult result = test::runRanks(
+      world,
+      [world](int rank, Bootstrap& bootstrap) {
+        int count = 0;
+        ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+        ASSERT_EQ(cudaSetDevice(rank % count), cudaSuccess);
+        Scenario s = base(world);
+        s.hidden = 128;
+        s.maxTokens = 16;
+        s.ragged = false;  // m is part of the captured call; the token count varies through *boundM
+        s.deviceBound = true;
+        s.masked = true;
+        auto a2a = createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "nvlink");
+        DeviceTensors dev;
+        gputest::allocateDevice(s, rank, dev);
+        cudaStream_t stream;
+        ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+        {
+          Round r0(s, 9000);
+          r0.upload(rank, dev);
+        }
+        dev.dispatch.stream = dev.combine.stream = stream;
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+        a2a->dispatch(dev.dispatch);
+        a2a->combine(dev.combine);
+        ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+        ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+        for (int replay = 0; replay < 100; ++replay) {
+          Round r(s, 10000 + replay);
+          r.upload(rank, dev);
+          ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+          ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+          a2a->synchronize();
+          std::string err = r.check(rank, dev);
+          ASSERT_TRUE(err.empty()) << "replay " << replay << ": " << err;
+        }
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+        cudaStreamDestroy(stream);
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+TEST(NvlinkGpu, W1GraphReplay100) {
+  REQUIRE_GPUS(1);
+  graphReplay(1);
+}
+
+TEST(NvlinkGpu, W2GraphReplay100) {
+  REQUIRE_GPUS(2);
+  graphReplay(2);
+}
+
+// Rank 1 dispatches but never enters combine: rank 0 must get Error(kTimeout) naming rank 1, within the timeout.
+TEST(NvlinkGpu, W2PeerNeverEntersCombineTimesOut) {
+  REQUIRE_GPUS(2);
+  setenv("EPCOMM_TIMEOUT_MS", "1500", 1);  // read once per process, in the children
+  test::RunResult result = test::runRanks(
+      2,
+      [](int rank, Bootstrap& bootstrap) {
+        int count = 0;
+        ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+        ASSERT_EQ(cudaSetDevice(rank % count), cudaSuccess);
+        Scenario s = base(2);
+        auto a2a = createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "nvlink");
+        DeviceTensors dev;
+        gputest::allocateDevice(s, rank, dev);
+        Round r(s, 77);
+        r.upload(rank, dev);
+        a2a->dispatch(dev.dispatch);
+        a2a->synchronize();
+        if (rank == 0) {
+          const auto start = std::chrono::steady_clock::now();
+          a2a->combine(dev.combine);
+          bool threw = false;
+          try {
+            a2a->synchronize();
+          } catch (const Error& e) {
+            threw = true;
+            EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+            EXPECT_NE(e.message().find("peer rank 1"), std::string::npos) << e.what();
+            EXPECT_NE(e.message().find("combine"), std::string::npos) << e.what();
+          }
+          const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+          EXPECT_TRUE(threw) << "no error after a peer skipped combine";
+          EXPECT_LT(ms, 1500 + 3000) << "the timeout took too long";
+          // The object refuses further use with the same error; the context stays usable.
+          EXPECT_THROW(a2a->dispatch(dev.dispatch), Error);
+          void* p = nullptr;
+          EXPECT_EQ(cudaMalloc(&p, 1024), cudaSuccess);
+          cudaFree(p);
+        }
+        bootstrap.barrier();
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+// An expert index outside [-1, E) is detected on the device and reported as kDeviceError by the next call.
+TEST(NvlinkGpu, W1BadIndexIsDeviceError) {
+  REQUIRE_GPUS(1);
+  test::RunResult result = test::runRanks(
+      1,
+      [](int rank, Bootstrap& bootstrap) {
+        ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+        Scenario s = base(1);
+        s.ragged = false;
+        auto a2a = createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "nvlink");
+        DeviceTensors dev;
+        gputest::allocateDevice(s, rank, dev);
+        Round r(s, 5);
+        r.upload(rank, dev);
+        const int32_t bad = static_cast<int32_t>(s.experts) + 3;
+        ASSERT_EQ(
+            cudaMemcpy(static_cast<int32_t*>(dev.indices.get()) + 2 * s.topK + 1, &bad, 4, cudaMemcpyHostToDevice),
+            cudaSuccess);
+        a2a->dispatch(dev.dispatch);
+        try {
+          a2a->synchronize();
+          ADD_FAILURE() << "no error for index " << bad;
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), ErrorCode::kDeviceError) << e.what();
+          EXPECT_NE(e.message().find("token 2"), std::string::npos) << e.what();
+          EXPECT_NE(e.message().find(std::to_string(bad)), std::string::npos) << e.what();
+        }
+        EXPECT_THROW(a2a->combine(dev.combine), Error);
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+}  // namespace
+}  // namespace epcomm
