@@ -1,0 +1,641 @@
+// epcomm-bench: dispatch / combine latency and bandwidth of any backend, beside NCCL's all-to-all of the same bytes.
+//
+//   epcomm-bench [--backend nvlink|host|auto] [--world W] [--config decode,prefill,small,qwen3]
+//                [--tokens 1,8,32,128,512,4096] [--iters 200] [--warmup 20] [--dp 1] [--json out.jsonl]
+//
+// Starts W processes itself (fork + exec of this binary with EPCOMM_RANK / EPCOMM_WORLD_SIZE / EPCOMM_BOOTSTRAP /
+// EPCOMM_LOCAL_RANK), one per GPU. Timing (the issue's method, so numbers compare with the peers measured there):
+// before every iteration a bootstrap barrier and a device synchronize, then CUDA events right around the call (from
+// an idle GPU, so the launch is included). "device" rows queue a ~20 us GPU spin before the first event so the
+// launch is hidden. Medians over --iters iterations after --warmup, the maximum over ranks. Never asserts a time.
+#include <arpa/inet.h>
+#include <cuda_runtime.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#ifdef EPCOMM_BENCH_HAVE_NCCL
+#include <nccl.h>
+#endif
+
+#include "epcomm/all_to_all.hpp"
+#include "epcomm/bootstrap.hpp"
+#include "epcomm/error.hpp"
+#include "reference/reference.hpp"
+
+void epcommBenchSpin(cudaStream_t stream, unsigned nanoseconds);
+
+namespace epcomm {
+namespace {
+
+#define BENCH_CUDA(expr)                                                                 \
+  do {                                                                                   \
+    cudaError_t e_ = (expr);                                                             \
+    if (e_ != cudaSuccess) EPCOMM_THROW(kCuda, #expr << ": " << cudaGetErrorString(e_)); \
+  } while (0)
+
+struct Options {
+  std::string backend = "auto";
+  int world = 0;
+  std::vector<std::string> configs = {"decode", "prefill", "small", "qwen3"};
+  std::vector<uint32_t> tokens = {1, 8, 32, 128, 512, 4096};
+  int iters = 200;
+  int warmup = 20;
+  int dp = 1;
+  std::string json;
+  std::string rev;
+};
+
+std::vector<std::string> splitList(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      EPCOMM_CHECK(i + 1 < argc, kInvalidArgument, a << " needs a value");
+      return argv[++i];
+    };
+    if (a == "--backend") {
+      o.backend = next();
+    } else if (a == "--world") {
+      o.world = std::stoi(next());
+    } else if (a == "--config") {
+      o.configs = splitList(next());
+    } else if (a == "--tokens") {
+      o.tokens.clear();
+      for (const std::string& t : splitList(next())) o.tokens.push_back(static_cast<uint32_t>(std::stoul(t)));
+    } else if (a == "--iters") {
+      o.iters = std::stoi(next());
+    } else if (a == "--warmup") {
+      o.warmup = std::stoi(next());
+    } else if (a == "--dp") {
+      o.dp = std::stoi(next());
+    } else if (a == "--json") {
+      o.json = next();
+    } else if (a == "--rev") {
+      o.rev = next();
+    } else if (a == "-h" || a == "--help") {
+      std::cout << "epcomm-bench [--backend nvlink|host|auto] [--world W] [--config decode,prefill,small,qwen3]\n"
+                   "             [--tokens 1,8,32,128,512,4096] [--iters 200] [--warmup 20] [--dp 1]\n"
+                   "             [--json out.jsonl] [--rev GIT_REV]\n";
+      std::exit(0);
+    } else {
+      EPCOMM_THROW(kInvalidArgument, "unknown argument '" << a << "' (see --help)");
+    }
+  }
+  return o;
+}
+
+std::string gitRev(const Options& o) {
+  if (!o.rev.empty()) return o.rev;
+  if (const char* r = std::getenv("EPBENCH_REV")) return r;
+  std::string out;
+  if (FILE* p = popen("git rev-parse --short HEAD 2>/dev/null", "r")) {
+    char buf[64] = {0};
+    if (fgets(buf, sizeof(buf), p) != nullptr) out = buf;
+    pclose(p);
+  }
+  while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
+  return out.empty() ? "unknown" : out;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return -1;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+// One configuration's tensors on one rank, in device memory (GPU backends) or host memory (host backend).
+struct Tensors {
+  bool device = true;
+  std::vector<void*> owned;
+  DispatchArgs d;
+  CombineArgs c;
+  void* alloc(size_t bytes) {
+    void* p = nullptr;
+    bytes = bytes < 256 ? 256 : bytes;
+    if (device) {
+      BENCH_CUDA(cudaMalloc(&p, bytes));
+    } else {
+      p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+      EPCOMM_CHECK(p != nullptr, kSystem, "out of host memory");
+    }
+    owned.push_back(p);
+    return p;
+  }
+  void fill(void* dst, const void* src, size_t bytes) {
+    if (device) {
+      BENCH_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+    } else {
+      std::memcpy(dst, src, bytes);
+    }
+  }
+  ~Tensors() {
+    for (void* p : owned) {
+      if (device) {
+        cudaFree(p);
+      } else {
+        std::free(p);
+      }
+    }
+  }
+};
+
+struct Measurement {
+  double dispatch = -1, combine = -1, dSend = -1, dRecv = -1, cSend = -1, cRecv = -1, dDev = -1, cDev = -1;
+  double nccl = -1, ncclPplx = -1;
+};
+
+class Bench {
+ public:
+  Bench(const Options& o, Bootstrap& bs) : o_(o), bs_(bs) {}
+
+  void run() {
+    rank_ = bs_.rank();
+    world_ = bs_.worldSize();
+    hostMode_ = o_.backend == "host";
+    if (!hostMode_) {
+      int count = 0;
+      if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+        EPCOMM_CHECK(o_.backend == "auto", kUnavailable, "no CUDA device for backend " << o_.backend);
+        hostMode_ = true;
+        cudaGetLastError();
+      } else {
+        BENCH_CUDA(cudaSetDevice(rank_ % count));
+        BENCH_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+        cudaDeviceProp prop;
+        BENCH_CUDA(cudaGetDeviceProperties(&prop, rank_ % count));
+        gpuName_ = prop.name;
+        initNccl();
+      }
+    }
+    char host[128] = {0};
+    gethostname(host, sizeof(host) - 1);
+    machine_ = std::string(host) + (hostMode_ ? " (cpu)" : " " + std::to_string(world_) + "x " + gpuName_);
+    if (rank_ == 0) printHeader();
+    for (const std::string& name : o_.configs) {
+      for (uint32_t T : o_.tokens) runOne(name, T);
+    }
+#ifdef EPCOMM_BENCH_HAVE_NCCL
+    if (nccl_ != nullptr) ncclCommDestroy(nccl_);
+#endif
+  }
+
+ private:
+  void initNccl() {
+#ifdef EPCOMM_BENCH_HAVE_NCCL
+    ncclUniqueId id;
+    if (rank_ == 0) ncclGetUniqueId(&id);
+    bs_.broadcast(&id, sizeof(id), 0);
+    if (ncclCommInitRank(&nccl_, world_, id, rank_) != ncclSuccess) nccl_ = nullptr;
+#endif
+  }
+
+  void sync() {
+    if (!hostMode_) BENCH_CUDA(cudaDeviceSynchronize());
+    bs_.barrier();
+  }
+
+  // Times `fn` per iteration: barrier + device sync, then events around the call (or a steady clock on the host).
+  std::vector<double> timeIt(const std::function<void()>& fn, bool spinFirst, const std::function<void()>& after = {}) {
+    std::vector<double> us;
+    cudaEvent_t e0 = nullptr, e1 = nullptr;
+    if (!hostMode_) {
+      BENCH_CUDA(cudaEventCreate(&e0));
+      BENCH_CUDA(cudaEventCreate(&e1));
+    }
+    for (int i = 0; i < o_.warmup + o_.iters; ++i) {
+      sync();
+      double t;
+      if (hostMode_) {
+        auto a = std::chrono::steady_clock::now();
+        fn();
+        t = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - a).count();
+      } else {
+        if (spinFirst) epcommBenchSpin(stream_, 20000);
+        BENCH_CUDA(cudaEventRecord(e0, stream_));
+        fn();
+        BENCH_CUDA(cudaEventRecord(e1, stream_));
+        BENCH_CUDA(cudaEventSynchronize(e1));
+        float ms = 0;
+        BENCH_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+        t = ms * 1000.0;
+      }
+      if (after) after();
+      if (i >= o_.warmup) us.push_back(t);
+    }
+    if (e0 != nullptr) cudaEventDestroy(e0);
+    if (e1 != nullptr) cudaEventDestroy(e1);
+    return us;
+  }
+
+  // Max over ranks of each rank's median.
+  double agree(const std::vector<double>& samples) {
+    double mine = median(samples);
+    std::vector<double> all(world_);
+    bs_.allGather(&mine, all.data(), sizeof(double));
+    return *std::max_element(all.begin(), all.end());
+  }
+
+  void runOne(const std::string& name, uint32_t T) {
+    Config c = standardConfig(name, world_, rank_, o_.dp);
+    c.maxNumTokens = T;
+    std::unique_ptr<AllToAll> a2a;
+    try {
+      a2a = createAllToAll(c, bs_, o_.backend);
+    } catch (const Error& e) {
+      if (rank_ == 0) std::cerr << "skip " << name << " T=" << T << ": " << e.what() << "\n";
+      return;
+    }
+    const std::string backend = a2a->backendName();
+    Tensors ts;
+    ts.device = !hostMode_;
+    const MemoryKind mk = hostMode_ ? MemoryKind::kHost : MemoryKind::kCuda;
+    int dev = -1;
+    if (!hostMode_) BENCH_CUDA(cudaGetDevice(&dev));
+    const uint32_t K = c.expertsPerToken, L = c.numLocalExperts(), H = c.hiddenDim, S = c.hiddenDimScaleBytes / 4;
+    const int64_t rows = static_cast<int64_t>(c.expertRows());
+    const DType xType = c.hiddenDimBytes == H ? DType::kFp8E4M3 : DType::kBf16;
+    const int64_t xCols = c.hiddenDimBytes / dtypeSize(xType);
+    // Inputs: one DP group's tokens (identical on its ranks), uniform top-k routing without repeats, fixed seed.
+    const uint32_t group = c.dpGroup();
+    std::vector<int32_t> idx = reference::randomIndices(c, T, 12345 + group);
+    std::mt19937 rng(777 + group);
+    std::vector<uint8_t> xh(static_cast<size_t>(T) * c.hiddenDimBytes);
+    for (auto& b : xh) b = static_cast<uint8_t>(rng() & 0x7f);
+    std::vector<float> sh(static_cast<size_t>(T) * S + 1, 1.0f), wh(static_cast<size_t>(T) * K, 1.0f / K);
+    std::vector<uint16_t> yh(static_cast<size_t>(rows) * H);
+    for (auto& v : yh) v = 0x3f80 ^ static_cast<uint16_t>(rng() & 0x7f);  // bf16 near 1
+    void* x = ts.alloc(xh.size());
+    ts.fill(x, xh.data(), xh.size());
+    void* xs = S ? ts.alloc(sh.size() * 4) : nullptr;
+    if (xs) ts.fill(xs, sh.data(), sh.size() * 4);
+    void* ind = ts.alloc(idx.size() * 4);
+    ts.fill(ind, idx.data(), idx.size() * 4);
+    void* w = ts.alloc(wh.size() * 4);
+    ts.fill(w, wh.data(), wh.size() * 4);
+    void* y = ts.alloc(yh.size() * 2);
+    ts.fill(y, yh.data(), yh.size() * 2);
+    void* counts = ts.alloc(L * 4);
+    void* ox = ts.alloc(static_cast<size_t>(rows) * c.hiddenDimBytes);
+    void* os = S ? ts.alloc(static_cast<size_t>(rows) * S * 4) : nullptr;
+    void* out = ts.alloc(static_cast<size_t>(T) * H * 2);
+    const bool batched = c.layout == Layout::kBatched;
+    const int64_t R = static_cast<int64_t>(c.batchedRowsPerExpert());
+    auto expert = [&](void* p, DType t, int64_t cols) {
+      return batched ? TensorView::contiguous(p, t, {L, R, cols}, mk, dev)
+                     : TensorView::contiguous(p, t, {rows, cols}, mk, dev);
+    };
+    DispatchArgs& d = ts.d;
+    d.outExpertNumTokens = TensorView::contiguous(counts, DType::kI32, {L}, mk, dev);
+    d.outExpertX = expert(ox, xType, xCols);
+    if (S) {
+      d.outExpertXScale = expert(os, DType::kF32, S);
+      d.xScale = TensorView::contiguous(xs, DType::kF32, {T, S}, mk, dev);
+    }
+    d.x = TensorView::contiguous(x, xType, {T, xCols}, mk, dev);
+    d.indices = TensorView::contiguous(ind, DType::kI32, {T, K}, mk, dev);
+    d.stream = stream_;
+    CombineArgs& cb = ts.c;
+    cb.outTokens = TensorView::contiguous(out, DType::kBf16, {T, H}, mk, dev);
+    cb.indices = d.indices;
+    cb.weights = TensorView::contiguous(w, DType::kF32, {T, K}, mk, dev);
+    cb.expertY = expert(y, DType::kBf16, H);
+    cb.stream = stream_;
+
+    Measurement eager, graph;
+    auto dispatchOnce = [&] { a2a->dispatch(d); };
+    auto combineOnce = [&] { a2a->combine(cb); };
+    // Combine must follow a dispatch on the object: pairTimes alternates them and times each separately.
+    std::vector<double> dispatchSamples, combineSamples;
+    pairTimes(dispatchOnce, combineOnce, false, &dispatchSamples, &combineSamples);
+    eager.dispatch = agree(dispatchSamples);
+    eager.combine = agree(combineSamples);
+    if (!hostMode_) {
+      pairTimes(dispatchOnce, combineOnce, true, &dispatchSamples, &combineSamples);
+      eager.dDev = agree(dispatchSamples);
+      eager.cDev = agree(combineSamples);
+    }
+    // Send and recv halves separately.
+    DispatchArgs dsend = d, drecv = d;
+    dsend.doRecv = false;
+    drecv.doSend = false;
+    CombineArgs csend = cb, crecv = cb;
+    csend.doRecv = false;
+    crecv.doSend = false;
+    std::vector<double> a1, a2, a3, a4;
+    quadTimes([&] { a2a->dispatch(dsend); }, [&] { a2a->dispatch(drecv); }, [&] { a2a->combine(csend); },
+              [&] { a2a->combine(crecv); }, &a1, &a2, &a3, &a4);
+    eager.dSend = agree(a1);
+    eager.dRecv = agree(a2);
+    eager.cSend = agree(a3);
+    eager.cRecv = agree(a4);
+    // NCCL all-to-all of the same bytes (per peer: tokens with >= 1 expert there; pplx: one copy per expert).
+    uint64_t bytesRank = 0, bytesPplx = 0;
+    std::vector<uint64_t> perPeer(world_, 0), perPeerPplx(world_, 0);
+    const uint64_t tokBytes = c.hiddenDimBytes + c.hiddenDimScaleBytes;
+    for (uint32_t t = 0; t < T; ++t) {
+      if (t % c.dpSize != rank_ % c.dpSize) continue;
+      uint32_t mask = 0;
+      for (uint32_t k = 0; k < K; ++k) {
+        const uint32_t owner = static_cast<uint32_t>(idx[t * K + k]) / L;
+        mask |= 1u << owner;
+        if (owner != static_cast<uint32_t>(rank_)) perPeerPplx[owner] += tokBytes;
+      }
+      for (int p = 0; p < world_; ++p) {
+        if (p != rank_ && (mask >> p & 1)) perPeer[p] += tokBytes;
+      }
+    }
+    for (int p = 0; p < world_; ++p) {
+      bytesRank += perPeer[p];
+      bytesPplx += perPeerPplx[p];
+    }
+    if (!hostMode_) {
+      eager.nccl = ncclTime(perPeer);
+      eager.ncclPplx = ncclTime(perPeerPplx);
+      // CUDA graph: dispatch and combine captured separately, each replayed.
+      cudaGraph_t gd, gc;
+      cudaGraphExec_t xd, xc;
+      BENCH_CUDA(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      a2a->dispatch(d);
+      BENCH_CUDA(cudaStreamEndCapture(stream_, &gd));
+      BENCH_CUDA(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      a2a->combine(cb);
+      BENCH_CUDA(cudaStreamEndCapture(stream_, &gc));
+      BENCH_CUDA(cudaGraphInstantiate(&xd, gd, 0));
+      BENCH_CUDA(cudaGraphInstantiate(&xc, gc, 0));
+      auto gdo = [&] { BENCH_CUDA(cudaGraphLaunch(xd, stream_)); };
+      auto gco = [&] { BENCH_CUDA(cudaGraphLaunch(xc, stream_)); };
+      pairTimes(gdo, gco, false, &dispatchSamples, &combineSamples);
+      graph.dispatch = agree(dispatchSamples);
+      graph.combine = agree(combineSamples);
+      pairTimes(gdo, gco, true, &dispatchSamples, &combineSamples);
+      graph.dDev = agree(dispatchSamples);
+      graph.cDev = agree(combineSamples);
+      graph.nccl = eager.nccl;
+      graph.ncclPplx = eager.ncclPplx;
+      cudaGraphExecDestroy(xd);
+      cudaGraphExecDestroy(xc);
+      cudaGraphDestroy(gd);
+      cudaGraphDestroy(gc);
+    }
+    a2a->synchronize();
+    // Bytes crossing NVLink per direction, averaged over ranks (for GB/s).
+    uint64_t sumBytes = 0;
+    {
+      std::vector<uint64_t> all(world_);
+      bs_.allGather(&bytesRank, all.data(), sizeof(uint64_t));
+      for (uint64_t b : all) sumBytes += b;
+    }
+    const double avgBytes = static_cast<double>(sumBytes) / world_;
+    uint64_t combineBytes = 0;
+    for (int p = 0; p < world_; ++p) combineBytes += perPeer[p] / tokBytes * H * 2;
+    if (rank_ == 0) {
+      report(backend, name, c, T, false, eager, avgBytes, bytesPplx, combineBytes, a2a->bufferBytes());
+      if (!hostMode_) report(backend, name, c, T, true, graph, avgBytes, bytesPplx, combineBytes, a2a->bufferBytes());
+    }
+    a2a.reset();
+  }
+
+  // Alternating dispatch / combine, each timed separately (combine needs the dispatch before it).
+  void pairTimes(const std::function<void()>& dfn, const std::function<void()>& cfn, bool spin, std::vector<double>* ds,
+                 std::vector<double>* cs) {
+    ds->clear();
+    cs->clear();
+    const int iters = o_.iters, warm = o_.warmup;
+    Options saved = o_;
+    o_.iters = 1;
+    o_.warmup = 0;
+    for (int i = 0; i < warm + iters; ++i) {
+      std::vector<double> a = timeIt(dfn, spin);
+      std::vector<double> b = timeIt(cfn, spin);
+      if (i >= warm) {
+        ds->push_back(a[0]);
+        cs->push_back(b[0]);
+      }
+    }
+    o_ = saved;
+  }
+
+  void quadTimes(const std::function<void()>& f1, const std::function<void()>& f2, const std::function<void()>& f3,
+                 const std::function<void()>& f4, std::vector<double>* r1, std::vector<double>* r2,
+                 std::vector<double>* r3, std::vector<double>* r4) {
+    const int iters = o_.iters, warm = o_.warmup;
+    Options saved = o_;
+    o_.iters = 1;
+    o_.warmup = 0;
+    for (int i = 0; i < warm + iters; ++i) {
+      std::vector<double> a = timeIt(f1, false), b = timeIt(f2, false), c = timeIt(f3, false), d = timeIt(f4, false);
+      if (i >= warm) {
+        r1->push_back(a[0]);
+        r2->push_back(b[0]);
+        r3->push_back(c[0]);
+        r4->push_back(d[0]);
+      }
+    }
+    o_ = saved;
+  }
+
+  double ncclTime(const std::vector<uint64_t>& perPeer) {
+#ifdef EPCOMM_BENCH_HAVE_NCCL
+    if (nccl_ == nullptr) return -1;
+    // Receive sizes: what each peer sends to us.
+    std::vector<uint64_t> all(static_cast<size_t>(world_) * world_);
+    bs_.allGather(perPeer.data(), all.data(), world_ * sizeof(uint64_t));
+    uint64_t sendTotal = 0, recvTotal = 0;
+    for (int p = 0; p < world_; ++p) {
+      sendTotal += perPeer[p];
+      recvTotal += all[static_cast<size_t>(p) * world_ + rank_];
+    }
+    void *sb = nullptr, *rb = nullptr;
+    BENCH_CUDA(cudaMalloc(&sb, sendTotal + 256));
+    BENCH_CUDA(cudaMalloc(&rb, recvTotal + 256));
+    auto fn = [&] {
+      ncclGroupStart();
+      uint64_t so = 0, ro = 0;
+      for (int p = 0; p < world_; ++p) {
+        if (p == rank_) continue;
+        const uint64_t s = perPeer[p], r = all[static_cast<size_t>(p) * world_ + rank_];
+        if (s) ncclSend(static_cast<char*>(sb) + so, s, ncclUint8, p, nccl_, stream_);
+        if (r) ncclRecv(static_cast<char*>(rb) + ro, r, ncclUint8, p, nccl_, stream_);
+        so += s;
+        ro += r;
+      }
+      ncclGroupEnd();
+    };
+    double t = agree(timeIt(fn, false));
+    cudaFree(sb);
+    cudaFree(rb);
+    return t;
+#else
+    (void)perPeer;
+    return -1;
+#endif
+  }
+
+  static std::string num(double v) {
+    if (v < 0) return "n/a";
+    char b[32];
+    std::snprintf(b, sizeof(b), "%.1f", v);
+    return b;
+  }
+  static std::string jnum(double v) {
+    if (v < 0) return "null";
+    char b[32];
+    std::snprintf(b, sizeof(b), "%.3f", v);
+    return b;
+  }
+
+  void printHeader() {
+    std::printf("# epcomm-bench  backend=%s world=%d dp=%d iters=%d warmup=%d rev=%s machine=%s\n", o_.backend.c_str(),
+                world_, o_.dp, o_.iters, o_.warmup, gitRev(o_).c_str(), machine_.c_str());
+    std::printf(
+        "# times in us (median, max over ranks); GB/s = cross-rank payload bytes per rank per direction / time\n");
+    std::printf("%-8s %6s %5s | %9s %9s | %8s %8s %8s %8s | %8s %8s | %8s %9s | %8s %8s\n", "config", "tokens", "graph",
+                "dispatch", "combine", "d.send", "d.recv", "c.send", "c.recv", "d.dev", "c.dev", "nccl", "nccl.pplx",
+                "d.GB/s", "c.GB/s");
+    std::fflush(stdout);
+  }
+
+  void report(const std::string& backend, const std::string& name, const Config& c, uint32_t T, bool isGraph,
+              const Measurement& m, double bytes, uint64_t bytesPplx, uint64_t combineBytes, uint64_t bufBytes) {
+    const double dGb = m.dispatch > 0 ? bytes / (m.dispatch * 1e3) : -1;
+    const double cGb = m.combine > 0 ? combineBytes / (m.combine * 1e3) : -1;
+    std::printf("%-8s %6u %5s | %9s %9s | %8s %8s %8s %8s | %8s %8s | %8s %9s | %8s %8s\n", name.c_str(), T,
+                isGraph ? "yes" : "no", num(m.dispatch).c_str(), num(m.combine).c_str(),
+                isGraph ? "-" : num(m.dSend).c_str(), isGraph ? "-" : num(m.dRecv).c_str(),
+                isGraph ? "-" : num(m.cSend).c_str(), isGraph ? "-" : num(m.cRecv).c_str(), num(m.dDev).c_str(),
+                num(m.cDev).c_str(), num(m.nccl).c_str(), num(m.ncclPplx).c_str(), num(dGb).c_str(), num(cGb).c_str());
+    std::fflush(stdout);
+    if (o_.json.empty()) return;
+    std::ofstream f(o_.json, std::ios::app);
+    char date[32];
+    std::time_t now = std::time(nullptr);
+    std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+    f << "{\"backend\":\"" << backend << "\",\"world\":" << world_ << ",\"dp\":" << c.dpSize << ",\"config\":\"" << name
+      << "\",\"tokens\":" << T << ",\"graph\":" << (isGraph ? "true" : "false")
+      << ",\"dispatch_us\":" << jnum(m.dispatch) << ",\"combine_us\":" << jnum(m.combine)
+      << ",\"dispatch_send_us\":" << jnum(isGraph ? -1 : m.dSend)
+      << ",\"dispatch_recv_us\":" << jnum(isGraph ? -1 : m.dRecv)
+      << ",\"combine_send_us\":" << jnum(isGraph ? -1 : m.cSend)
+      << ",\"combine_recv_us\":" << jnum(isGraph ? -1 : m.cRecv) << ",\"dispatch_device_us\":" << jnum(m.dDev)
+      << ",\"combine_device_us\":" << jnum(m.cDev) << ",\"nccl_us\":" << jnum(m.nccl)
+      << ",\"nccl_pplx_us\":" << jnum(m.ncclPplx) << ",\"dispatch_bytes_per_rank\":" << static_cast<uint64_t>(bytes)
+      << ",\"pplx_bytes_rank0\":" << bytesPplx << ",\"combine_bytes_rank0\":" << combineBytes
+      << ",\"buffer_bytes\":" << bufBytes << ",\"iters\":" << o_.iters << ",\"warmup\":" << o_.warmup << ",\"rev\":\""
+      << gitRev(o_) << "\",\"machine\":\"" << machine_ << "\",\"date\":\"" << date << "\"}\n";
+  }
+
+  Options o_;
+  Bootstrap& bs_;
+  int rank_ = 0, world_ = 1;
+  bool hostMode_ = false;
+  cudaStream_t stream_ = nullptr;
+  std::string gpuName_ = "cpu", machine_;
+#ifdef EPCOMM_BENCH_HAVE_NCCL
+  ncclComm_t nccl_ = nullptr;
+#endif
+};
+
+int freePort() {
+  // Bind port 0 on localhost and release it; the children's rendezvous takes it right after.
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof(a);
+  int port = 29500;
+  if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  if (fd >= 0) ::close(fd);
+  return port;
+}
+
+int launcher(int argc, char** argv, const Options& o) {
+  int world = o.world;
+  if (world <= 0) {
+    // Count GPUs in a child: this process forks more children and must not initialise CUDA itself.
+    pid_t pid = fork();
+    if (pid == 0) {
+      int n = 0;
+      if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
+      _exit(n > 0 ? n : 1);
+    }
+    int st = 0;
+    waitpid(pid, &st, 0);
+    world = WIFEXITED(st) ? WEXITSTATUS(st) : 1;
+  }
+  const std::string addr = "127.0.0.1:" + std::to_string(freePort());
+  const std::string rev = gitRev(o);
+  std::vector<pid_t> kids;
+  for (int r = 0; r < world; ++r) {
+    pid_t pid = fork();
+    if (pid == 0) {
+      setenv("EPCOMM_RANK", std::to_string(r).c_str(), 1);
+      setenv("EPCOMM_WORLD_SIZE", std::to_string(world).c_str(), 1);
+      setenv("EPCOMM_LOCAL_RANK", std::to_string(r).c_str(), 1);
+      setenv("EPCOMM_BOOTSTRAP", addr.c_str(), 1);
+      setenv("EPBENCH_CHILD", "1", 1);
+      setenv("EPBENCH_REV", rev.c_str(), 1);
+      setenv("NCCL_NVLS_ENABLE", "0", 1);
+      setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
+      execv("/proc/self/exe", argv);
+      _exit(127);
+    }
+    kids.push_back(pid);
+  }
+  int failed = 0;
+  for (pid_t k : kids) {
+    int st = 0;
+    waitpid(k, &st, 0);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) ++failed;
+  }
+  (void)argc;
+  if (failed) std::cerr << "epcomm-bench: " << failed << " rank(s) failed\n";
+  return failed ? 1 : 0;
+}
+
+}  // namespace
+}  // namespace epcomm
+
+int main(int argc, char** argv) {
+  try {
+    epcomm::Options o = epcomm::parse(argc, argv);
+    if (std::getenv("EPBENCH_CHILD") == nullptr) return epcomm::launcher(argc, argv, o);
+    if (o.world <= 0) o.world = std::atoi(std::getenv("EPCOMM_WORLD_SIZE"));
+    std::unique_ptr<epcomm::Bootstrap> bs = epcomm::createBootstrapFromEnv();
+    epcomm::Bench(o, *bs).run();
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "epcomm-bench: " << e.what() << "\n";
+    return 1;
+  }
+}
