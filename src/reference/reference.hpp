@@ -42,12 +42,15 @@ Routing buildRouting(const Config& config, const std::vector<TensorView>& indice
 
 /// Dispatch for all ranks: args[r] is rank r's DispatchArgs (host memory; doSend/doRecv/stream ignored;
 /// *boundM read if given). Writes each rank's outExpertNumTokens, outExpertX and outExpertXScale; rows that receive
-/// no token are left untouched.
+/// no token are left untouched. The config is validated (kInvalidConfig) and every rank's tensors go through
+/// checkDispatchArgs (kInvalidArgument), so the reference rejects what the backends reject.
 void dispatch(const Config& config, const std::vector<DispatchArgs>& args);
 
 /// Combine for all ranks: args[r] is rank r's CombineArgs (host memory). Each outTokens row t < boundM is set to
 /// (accumulate ? out : 0) + sum_k weights[t,k] * expertY[slot(t,k)], in fp32, k ascending, then rounded to the
-/// output dtype (round to nearest even).
+/// output dtype (round to nearest even); each term is a separate multiply and add (no FMA). Rank r reads its own
+/// indices; a token whose expert row does not exist on the owner (the ranks of a DP group disagree on indices or
+/// boundM) throws kInvalidArgument.
 void combine(const Config& config, const std::vector<CombineArgs>& args);
 
 /// Uniform random top-K routing without repeats (SPEC 3): row-major [m, K] int32 expert indices in [0, E), from
