@@ -135,6 +135,8 @@ TEST(Fp8E5M2, KnownValues) {
   EXPECT_EQ(floatToFp8E5M2(61440.0f, true), 0x7B);
   EXPECT_EQ(floatToFp8E5M2(kInf), 0x7C);
   EXPECT_EQ(floatToFp8E5M2(-kInf), 0xFC);
+  EXPECT_EQ(floatToFp8E5M2(kInf, true), 0x7B);  // saturation also clamps inf (as __NV_SATFINITE)
+  EXPECT_EQ(floatToFp8E5M2(-kInf, true), 0xFB);
   EXPECT_EQ(floatToFp8E5M2(pow2(-16)), 0x01);  // smallest subnormal
   EXPECT_EQ(floatToFp8E5M2(1.125f), 0x3C);     // 1 + 1/8 is halfway between 1 and 1.25: even
   EXPECT_EQ(floatToFp8E5M2(1.375f), 0x3E);     // halfway between 1.25 and 1.5: even
