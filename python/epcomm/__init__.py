@@ -12,6 +12,13 @@
 Tensors are taken through DLPack (torch, numpy for the host backend, CuPy, JAX); see docs/python.md.
 """
 
+try:
+    # torch first: it loads the CUDA runtime (libcudart) that libepcomm's GPU backends link against, so a
+    # machine with torch's CUDA wheels but no system toolkit still resolves it.
+    import torch as _torch  # noqa: F401
+except ImportError:
+    pass
+
 from . import _C
 from ._C import Config, Error, Layout, PlannedBuffer
 from ._all_to_all import AllToAll, Plan, make_config, plan

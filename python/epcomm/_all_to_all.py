@@ -232,7 +232,7 @@ class AllToAll:
         (cudaStream_t as int) is for non-torch callers; torch tensors use the current stream.
         """
         if _torch_ops.HAVE_TORCH_OPS and isinstance(dp_x if dp_x is not None else out_expert_x, _torch.Tensor):
-            _torch_ops.dispatch_op(self._handle, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
+            _torch_ops.DISPATCH(self._handle, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
                                    dp_x_scale, indices, bound_m, do_send, do_recv)
             return
         self._dispatch_eager(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
@@ -249,7 +249,7 @@ class AllToAll:
         expert_y in out_expert_x's layout with H columns, bf16 / fp16 / fp32.
         """
         if _torch_ops.HAVE_TORCH_OPS and isinstance(out_tokens if out_tokens is not None else expert_y, _torch.Tensor):
-            _torch_ops.combine_op(self._handle, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv,
+            _torch_ops.COMBINE(self._handle, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv,
                                   accumulate)
             return
         self._combine_eager(out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, accumulate, stream)

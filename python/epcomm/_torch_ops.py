@@ -93,6 +93,12 @@ if HAVE_TORCH_OPS:
     def _combine_fake(handle, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, accumulate) -> None:
         return None
 
+    # The OpOverloads: what dispatch()/combine() call, so that torch.compile sees a plain torch.ops call.
+    DISPATCH = torch.ops.epcomm.dispatch.default
+    COMBINE = torch.ops.epcomm.combine.default
+
 else:
     dispatch_op = None
     combine_op = None
+    DISPATCH = None
+    COMBINE = None
