@@ -101,6 +101,11 @@ struct FiNic {
   std::vector<Piece*> recvs;
   std::vector<uint8_t> name;
   int64_t lastSweep = 0;
+  // Zero-byte writes (immediates) still need a valid remote key on some providers (tcp checks it even for 0
+  // bytes), so every endpoint exposes a small registered sink that immediates target.
+  uint64_t sink[8] = {0};
+  fid_mr* sinkMr = nullptr;
+  uint64_t sinkKey = 0;
 };
 
 namespace {
@@ -298,6 +303,14 @@ void LibfabricEngine::openNic(FiNic& n, fi_info* info) {
     }
     EPCOMM_CHECK_FI(fi_recv(n.ep, p->msg.data(), p->msg.size(), p->desc, FI_ADDR_UNSPEC, &p->ctx), "fi_recv");
   }
+  EPCOMM_CHECK_FI(fi_mr_reg(n.domain, n.sink, sizeof(n.sink), FI_REMOTE_WRITE | FI_WRITE, 0,
+                            provKey_ ? 0 : nextKey_.fetch_add(1), 0, &n.sinkMr, nullptr),
+                  "fi_mr_reg(immediate sink)");
+  if (mrEndpoint_) {
+    EPCOMM_CHECK_FI(fi_mr_bind(n.sinkMr, &n.ep->fid, 0), "fi_mr_bind(immediate sink)");
+    EPCOMM_CHECK_FI(fi_mr_enable(n.sinkMr), "fi_mr_enable(immediate sink)");
+  }
+  n.sinkKey = fi_mr_key(n.sinkMr);
 }
 
 void LibfabricEngine::closeAll() {
@@ -325,6 +338,8 @@ void LibfabricEngine::closeAll() {
       freePiece(p);
     }
     n.live.clear();
+    if (n.sinkMr != nullptr) fi_close(&n.sinkMr->fid);
+    n.sinkMr = nullptr;
     if (n.av != nullptr) fi_close(&n.av->fid);
     if (n.cq != nullptr) fi_close(&n.cq->fid);
     if (n.domain != nullptr) fi_close(&n.domain->fid);
@@ -353,6 +368,9 @@ std::vector<uint8_t> LibfabricEngine::address() const {
   for (const auto& n : nics_) {
     put32(static_cast<uint32_t>(n->name.size()));
     out.insert(out.end(), n->name.begin(), n->name.end());
+    uint64_t sink[2] = {virtAddr_ ? reinterpret_cast<uint64_t>(n->sink) : 0, n->sinkKey};
+    const auto* b = reinterpret_cast<const uint8_t*>(sink);
+    out.insert(out.end(), b, b + sizeof(sink));
   }
   return out;
 }
@@ -379,17 +397,21 @@ PeerId LibfabricEngine::addPeer(const std::vector<uint8_t>& address) {
   EPCOMM_CHECK(provHash == static_cast<uint32_t>(fnv1a64(prov_.data(), prov_.size())), kInvalidArgument,
                "addPeer: the peer uses another libfabric provider than " << prov_);
   std::vector<fi_addr_t> addrs(numNics_);
+  std::vector<uint64_t> sinkAddr(numNics_), sinkKey(numNics_);
   std::lock_guard<std::mutex> plock(peersMu_);
   for (int n = 0; n < numNics_; ++n) {
     uint32_t len = get32();
-    EPCOMM_CHECK(pos + len <= address.size(), kInvalidArgument, "addPeer: truncated address for NIC " << n);
+    EPCOMM_CHECK(pos + len + 16 <= address.size(), kInvalidArgument, "addPeer: truncated address for NIC " << n);
     std::lock_guard<std::mutex> lock(nics_[n]->mu);
     int rc = fi_av_insert(nics_[n]->av, address.data() + pos, 1, &addrs[n], 0, nullptr);
     EPCOMM_CHECK(rc == 1, kFabric,
                  "fi_av_insert (NIC " << n << ", provider " << prov_ << ") failed: " << (rc < 0 ? fiErr(rc) : "0 inserted"));
     pos += len;
+    std::memcpy(&sinkAddr[n], address.data() + pos, 8);
+    std::memcpy(&sinkKey[n], address.data() + pos + 8, 8);
+    pos += 16;
   }
-  peers_.push_back({fnv1a64(address.data(), address.size()), addrs});
+  peers_.push_back({fnv1a64(address.data(), address.size()), addrs, sinkAddr, sinkKey});
   return static_cast<PeerId>(peers_.size() - 1);
 }
 
@@ -407,6 +429,12 @@ fi_addr_t LibfabricEngine::peerAddr(PeerId peer, int nic) const {
   std::lock_guard<std::mutex> lock(peersMu_);
   EPCOMM_CHECK(peer < peers_.size(), kInvalidArgument, "unknown peer " << peer << " (" << peers_.size() << " added)");
   return peers_[peer].addrs[nic];
+}
+
+LibfabricEngine::PeerEntry LibfabricEngine::peerEntry(PeerId peer) const {
+  std::lock_guard<std::mutex> lock(peersMu_);
+  EPCOMM_CHECK(peer < peers_.size(), kInvalidArgument, "unknown peer " << peer << " (" << peers_.size() << " added)");
+  return peers_[peer];
 }
 
 std::unique_ptr<MemoryRegion> LibfabricEngine::registerMemory(void* data, size_t bytes, MemoryKind kind, int device) {
@@ -501,7 +529,9 @@ ssize_t LibfabricEngine::postPiece(FiNic& n, Piece* p) {
       m.rma_iov_count = 1;
       m.context = &p->ctx;
       m.data = p->data;
-      uint64_t flags = FI_COMPLETION | (p->imm ? FI_REMOTE_CQ_DATA : 0) | (p->delivery ? FI_DELIVERY_COMPLETE : 0);
+      // NOTE: delivery-complete for every completed write: the issuer's completion then means the data is in the
+      // peer's memory, and a rejected key or a dead peer comes back as an error (tcp otherwise completes on send).
+      uint64_t flags = FI_COMPLETION | (p->imm ? FI_REMOTE_CQ_DATA : 0) | FI_DELIVERY_COMPLETE;
       return fi_writemsg(n.ep, &m, flags);
     }
     case PieceKind::kSend:
@@ -587,10 +617,11 @@ void LibfabricEngine::postPlan(const Target& target, const MemoryRegion* src, st
   std::vector<std::vector<Piece*>> now(numNics_);
   std::vector<std::shared_ptr<NicBatch>> batches(numNics_);
   int total = 0;
+  const PeerEntry peer = peerEntry(target.peer);
   for (int n = 0; n < numNics_; ++n) {
     NicPlan& np = plan[n];
     if (np.chunks.empty() && !np.imm) continue;
-    const fi_addr_t dest = peerAddr(target.peer, n);
+    const fi_addr_t dest = peer.addrs[n];
     auto make = [&](uint64_t srcOff, uint64_t dstOff, uint64_t len) {
       auto* p = new Piece();
       p->kind = PieceKind::kWrite;
@@ -601,8 +632,8 @@ void LibfabricEngine::postPlan(const Target& target, const MemoryRegion* src, st
       p->len = len;
       p->desc = len > 0 ? region->mrDesc_[n] : nullptr;
       p->dest = dest;
-      p->raddr = target.remoteBase[n] + dstOff;
-      p->key = target.key[n];
+      p->raddr = len > 0 ? target.remoteBase[n] + dstOff : peer.sinkAddr[n];
+      p->key = len > 0 ? target.key[n] : peer.sinkKey[n];
       p->data = imm;
       ++total;
       return p;

@@ -53,6 +53,8 @@ class LibfabricEngine : public EngineBase {
   struct PeerEntry {
     uint64_t hash;
     std::vector<fi_addr_t> addrs;
+    std::vector<uint64_t> sinkAddr;  // per NIC: the peer's immediate sink (target of zero-byte writes)
+    std::vector<uint64_t> sinkKey;
   };
 
   static fi_info* getInfo(const std::string& prov, bool hmem, bool ordered);
@@ -60,6 +62,7 @@ class LibfabricEngine : public EngineBase {
   void openNic(FiNic& n, fi_info* info);
   void closeAll();
   fi_addr_t peerAddr(PeerId peer, int nic) const;
+  PeerEntry peerEntry(PeerId peer) const;
   ssize_t postPiece(FiNic& n, Piece* p);
   void submitLocked(FiNic& n, Piece* p, Finished& finished);
   void retryPending(FiNic& n, Finished& finished);
