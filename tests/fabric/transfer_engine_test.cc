@@ -468,8 +468,10 @@ TEST_P(FabricTest, PeerKilledMidTransfer) {
       node.engine->waitImm(77, 1, "immediate from rank 1");
     } catch (const Error& e) {
       timedOut = true;
-      FCHECK(std::string(e.message()).find("rank 1") != std::string::npos || e.code() != ErrorCode::kTimeout,
-             "waitImm timeout does not name the peer: " << e.message());
+      // Either its own timeout (naming what it waited for) or the engine's recorded failure (naming the peer).
+      const std::string m = e.message();
+      FCHECK(m.find("rank 1") != std::string::npos || m.find("peer 0") != std::string::npos,
+             "waitImm error names neither the peer nor the wait: " << m);
     }
     FCHECK(timedOut, "waitImm on a dead peer returned");
     std::fprintf(stderr, "[rank 0] dead peer reported after %.2f s: %s\n", secs, error.c_str());
@@ -482,7 +484,7 @@ TEST_P(FabricTest, PeerKilledMidTransfer) {
 TEST_P(FabricTest, CorruptedDescriptor) {
   const std::string prov = provider();
   expectRanks(fg::run(2, [&](fg::Comm& comm) {
-    Node node(comm, optionsFor(prov, 5000), 1 << 16);
+    Node node(comm, optionsFor(prov, 2000), 1 << 16);
     fill(node.data(), 1 << 15, comm.rank());
     comm.barrier();
     // Deserialization: a flipped bit, a truncated blob and garbage are rejected by the checksum / size checks.
