@@ -38,6 +38,9 @@
 #include "epcomm/bootstrap.hpp"
 #include "epcomm/error.hpp"
 #include "reference/reference.hpp"
+#ifdef EPCOMM_HAVE_HOST_BACKEND
+#include "backends/host/host_all_to_all.hpp"
+#endif
 
 void epcommBenchSpin(cudaStream_t stream, unsigned nanoseconds);
 
@@ -263,6 +266,10 @@ class Bench {
   }
 
   void runOne(const std::string& name, uint32_t T) {
+    const bool trace = std::getenv("EPBENCH_TRACE") != nullptr;
+    auto phase = [&](const char* what) {
+      if (trace) std::fprintf(stderr, "[rank %d] %s T=%u: %s\n", rank_, name.c_str(), T, what);
+    };
     Config c = standardConfig(name, world_, rank_, o_.dp);
     c.maxNumTokens = T;
     std::unique_ptr<AllToAll> a2a;
@@ -279,7 +286,9 @@ class Bench {
     int dev = -1;
     if (!hostMode_) BENCH_CUDA(cudaGetDevice(&dev));
     const uint32_t K = c.expertsPerToken, L = c.numLocalExperts(), H = c.hiddenDim, S = c.hiddenDimScaleBytes / 4;
-    const int64_t rows = static_cast<int64_t>(c.expertRows());
+    // Batched: L * R rows in all (expertRows() is the rows of one expert there).
+    const int64_t rows =
+        static_cast<int64_t>(c.layout == Layout::kBatched ? L * c.batchedRowsPerExpert() : c.expertRows());
     const DType xType = c.hiddenDimBytes == H ? DType::kFp8E4M3 : DType::kBf16;
     const int64_t xCols = c.hiddenDimBytes / dtypeSize(xType);
     // Inputs: one DP group's tokens (identical on its ranks), uniform top-k routing without repeats, fixed seed.
@@ -333,10 +342,12 @@ class Bench {
     auto combineOnce = [&] { a2a->combine(cb); };
     // Combine must follow a dispatch on the object: pairTimes alternates them and times each separately.
     std::vector<double> dispatchSamples, combineSamples;
+    phase("eager");
     pairTimes(dispatchOnce, combineOnce, false, &dispatchSamples, &combineSamples);
     eager.dispatch = agree(dispatchSamples);
     eager.combine = agree(combineSamples);
     if (!hostMode_) {
+      phase("device-only");
       pairTimes(dispatchOnce, combineOnce, true, &dispatchSamples, &combineSamples);
       eager.dDev = agree(dispatchSamples);
       eager.cDev = agree(combineSamples);
@@ -349,6 +360,7 @@ class Bench {
     csend.doRecv = false;
     crecv.doSend = false;
     std::vector<double> a1, a2, a3, a4;
+    phase("split");
     quadTimes([&] { a2a->dispatch(dsend); }, [&] { a2a->dispatch(drecv); }, [&] { a2a->combine(csend); },
               [&] { a2a->combine(crecv); }, &a1, &a2, &a3, &a4);
     eager.dSend = agree(a1);
@@ -376,6 +388,7 @@ class Bench {
       bytesPplx += perPeerPplx[p];
     }
     if (!hostMode_) {
+      phase("nccl");
       eager.nccl = ncclTime(perPeer);
       eager.ncclPplx = ncclTime(perPeerPplx);
       // CUDA graph: dispatch and combine captured separately, each replayed.
@@ -391,6 +404,7 @@ class Bench {
       BENCH_CUDA(cudaGraphInstantiate(&xc, gc, 0));
       auto gdo = [&] { BENCH_CUDA(cudaGraphLaunch(xd, stream_)); };
       auto gco = [&] { BENCH_CUDA(cudaGraphLaunch(xc, stream_)); };
+      phase("graph");
       pairTimes(gdo, gco, false, &dispatchSamples, &combineSamples);
       graph.dispatch = agree(dispatchSamples);
       graph.combine = agree(combineSamples);
@@ -405,6 +419,40 @@ class Bench {
       cudaGraphDestroy(gc);
     }
     a2a->synchronize();
+#ifdef EPCOMM_HAVE_HOST_BACKEND
+    // Host backend: fabric operations per peer per round, as rank 0 issued them (the protocol's claim: the bulk is
+    // one write per peer; 2 writes per peer per round without overflow, 3 with).
+    if (auto* h = dynamic_cast<host::HostAllToAll*>(a2a.get())) {
+      const host::HostStats st = h->stats();
+      double ops[4] = {0, 0, 0, 0}, bytes = 0;
+      for (int p = 0; p < world_; ++p) {
+        ops[0] += st.peers[p].headWrites;
+        ops[1] += st.peers[p].bulkWrites;
+        ops[2] += st.peers[p].combineWrites;
+        ops[3] += st.peers[p].barrierImms;
+        bytes += st.peers[p].bytes;
+      }
+      const double n = static_cast<double>(std::max<uint64_t>(st.dispatchRounds, 1)) * std::max(world_ - 1, 1);
+      if (rank_ == 0) {
+        char line[512];
+        std::snprintf(line, sizeof(line),
+                      "# host fabric ops per peer per round (%s, %llu rounds, private area %u tokens): head %.2f, "
+                      "bulk %.2f, combine %.2f, barrier %.2f, writes %.2f, bytes %.0f\n",
+                      name.c_str(), static_cast<unsigned long long>(st.dispatchRounds), h->sizes().privateTokens,
+                      ops[0] / n, ops[1] / n, ops[2] / n, ops[3] / n, (ops[0] + ops[1] + ops[2]) / n, bytes / n);
+        std::cout << line;
+        std::snprintf(line, sizeof(line),
+                      "{\"bench\":\"epcomm-fabric-ops\",\"backend\":\"host\",\"config\":\"%s\",\"world\":%d,"
+                      "\"tokens\":%u,\"private_tokens\":%u,\"head_writes_per_peer_round\":%.3f,"
+                      "\"bulk_writes_per_peer_round\":%.3f,\"combine_writes_per_peer_round\":%.3f,"
+                      "\"barrier_imms_per_peer_round\":%.3f,\"writes_per_peer_round\":%.3f,"
+                      "\"bytes_per_peer_round\":%.0f}\n",
+                      name.c_str(), world_, T, h->sizes().privateTokens, ops[0] / n, ops[1] / n, ops[2] / n, ops[3] / n,
+                      (ops[0] + ops[1] + ops[2]) / n, bytes / n);
+        std::cout << line << std::flush;
+      }
+    }
+#endif
     // Bytes crossing NVLink per direction, averaged over ranks (for GB/s).
     uint64_t sumBytes = 0;
     {

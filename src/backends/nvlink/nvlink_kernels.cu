@@ -27,6 +27,8 @@ using device::st16;
 
 // 16-byte vectors per lane held in registers by one copy step (8 x 16 B x 32 lanes = 4 KiB in flight per warp).
 constexpr int kUnroll = 8;
+// Vectors per lane per combine work unit (see combineSendBody).
+constexpr int kChunkU = 4;
 
 __device__ __forceinline__ uint64_t* flagPtr(char* base, const Geometry& g, int which, uint32_t sender) {
   return reinterpret_cast<uint64_t*>(base + g.offFlags) + which * g.worldSize + sender;
@@ -163,7 +165,11 @@ __device__ void dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
     const uint32_t j = jb + threadIdx.x;
     const bool active = j < n;
     const uint32_t t = j * D + g.rank % D;
+    // A repeated expert finds its own lane bit already set: atomicOr's old value marks it (dupMask, k < 64), so
+    // no k^2 re-reading of the token's indices.
+    uint64_t dupMask = 0;
     if (active) {
+#pragma unroll 8
       for (uint32_t k = 0; k < K; ++k) {
         int64_t e = loadIndex(a.indices, a.indexKind, a.indexStrides, t, k);
         if (e < -1 || e >= static_cast<int64_t>(E)) {
@@ -172,9 +178,8 @@ __device__ void dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
           continue;
         }
         if (e < 0) continue;
-        auto load = [&](uint32_t kk) { return loadIndex(a.indices, a.indexKind, a.indexStrides, t, kk); };
-        if (isRepeatOfEarlier(load, k, e)) continue;
-        atomicOr(&bits[warp * E + static_cast<uint32_t>(e)], 1u << lane);
+        const uint32_t old = atomicOr(&bits[warp * E + static_cast<uint32_t>(e)], 1u << lane);
+        if (old & (1u << lane)) dupMask |= 1ull << k;
       }
     }
     __syncthreads();
@@ -188,14 +193,14 @@ __device__ void dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
     }
     __syncthreads();
     if (active) {
+#pragma unroll 8
       for (uint32_t k = 0; k < K; ++k) {
         int64_t e = loadIndex(a.indices, a.indexKind, a.indexStrides, t, k);
         RouteEntry entry{-1, 0};
         uint32_t owner = W;
         if (e >= 0 && e < static_cast<int64_t>(E)) {
           const uint32_t ue = static_cast<uint32_t>(e);
-          auto load = [&](uint32_t kk) { return loadIndex(a.indices, a.indexKind, a.indexStrides, t, kk); };
-          entry.le = static_cast<int32_t>(ue % L) | (isRepeatOfEarlier(load, k, e) ? kDupBit : 0);
+          entry.le = static_cast<int32_t>(ue % L) | ((dupMask >> k) & 1 ? kDupBit : 0);
           entry.pos = base[warp * E + ue] + __popc(bits[warp * E + ue] & laneMaskLt());
           owner = ue / L;
         }
@@ -408,7 +413,12 @@ __device__ void combineSendBody(const CombineKernelArgs& a, int32_t* smem) {
   const uint32_t lane = threadIdx.x % 32;
   const uint32_t warpId = blockIdx.x * kWarps + threadIdx.x / 32, numWarps = gridDim.x * kWarps;
   const uint32_t units = g.hiddenDim / N;
-  for (uint32_t item = warpId; item < W * Ts; item += numWarps) {
+  // NOTE: one work unit = one token and one chunk of kChunkU units per lane, so a warp keeps kChunkU independent
+  // loads in flight per expert row and the rows of one token spread over several warps (a warp walking a whole
+  // 7168-element row with one load in flight measured ~100 us for decode).
+  const uint32_t chunks = static_cast<uint32_t>(ceilDiv(units, 32 * kChunkU));
+  for (uint32_t wu = warpId; wu < W * Ts * chunks; wu += numWarps) {
+    const uint32_t item = wu / chunks, chunk = wu % chunks;
     const uint32_t s = item / Ts, j = item % Ts;
     if (j >= static_cast<uint32_t>(numTokens[s])) continue;
     const uint32_t t = j * D + s % D;
@@ -436,30 +446,39 @@ __device__ void combineSendBody(const CombineKernelArgs& a, int32_t* smem) {
       valid[h] = __ballot_sync(0xffffffffu, yOff[h] >= 0);
     }
     if ((valid[0] | valid[1]) == 0) continue;
-    // The loop is warp-uniform (shuffles need every lane); lanes past the row end only skip memory accesses.
-    for (uint32_t u0 = 0; u0 < units; u0 += 32) {
-      const uint32_t u = u0 + lane;
-      const bool act = u < units;
-      float acc[N];
+    // Shuffles are warp-uniform; lanes past the row end only skip memory accesses.
+    float acc[kChunkU][N];
 #pragma unroll
-      for (int i = 0; i < N; ++i) acc[i] = 0.f;
-      for (uint32_t h = 0; h < 2; ++h) {
-        for (uint32_t m = valid[h]; m != 0; m &= m - 1) {
-          const int b = __ffs(m) - 1;
-          const int64_t off = __shfl_sync(0xffffffffu, yOff[h], b);
-          const float wk = __shfl_sync(0xffffffffu, w[h], b);
-          if (act) {
-            float yv[N];
-            loadF<PT, N>(y + off + static_cast<int64_t>(u) * N, yv);
+    for (int c = 0; c < kChunkU; ++c) {
 #pragma unroll
-            for (int i = 0; i < N; ++i) acc[i] = fmaf(wk, yv[i], acc[i]);
-          }
+      for (int i = 0; i < N; ++i) acc[c][i] = 0.f;
+    }
+    const uint32_t u0 = chunk * 32 * kChunkU + lane;
+    for (uint32_t h = 0; h < 2; ++h) {
+      for (uint32_t m = valid[h]; m != 0; m &= m - 1) {
+        const int b = __ffs(m) - 1;
+        const int64_t off = __shfl_sync(0xffffffffu, yOff[h], b);
+        const float wk = __shfl_sync(0xffffffffu, w[h], b);
+        float yv[kChunkU][N];
+#pragma unroll
+        for (int c = 0; c < kChunkU; ++c) {
+          const uint32_t u = u0 + c * 32;
+          if (u < units) loadF<PT, N>(y + off + static_cast<int64_t>(u) * N, yv[c]);
+        }
+#pragma unroll
+        for (int c = 0; c < kChunkU; ++c) {
+#pragma unroll
+          for (int i = 0; i < N; ++i) acc[c][i] = fmaf(wk, yv[c][i], acc[c][i]);
         }
       }
-      for (uint32_t m = dstMask; m != 0; m &= m - 1) {
-        const int b = __ffs(m) - 1;
-        PT* dst = reinterpret_cast<PT*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(dstLane), b));
-        if (act) storeF<PT, N>(dst + static_cast<uint64_t>(u) * N, acc);
+    }
+    for (uint32_t m = dstMask; m != 0; m &= m - 1) {
+      const int b = __ffs(m) - 1;
+      PT* dst = reinterpret_cast<PT*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(dstLane), b));
+#pragma unroll
+      for (int c = 0; c < kChunkU; ++c) {
+        const uint32_t u = u0 + c * 32;
+        if (u < units) storeF<PT, N>(dst + static_cast<uint64_t>(u) * N, acc[c]);
       }
     }
   }
@@ -474,7 +493,9 @@ __device__ void combineRecvBody(const CombineKernelArgs& a) {
   const uint32_t warpId = blockIdx.x * kWarps + threadIdx.x / 32, numWarps = gridDim.x * kWarps;
   const uint32_t units = g.hiddenDim / N;
   OT* out = reinterpret_cast<OT*>(a.out);
-  for (uint32_t t = warpId; t < bound; t += numWarps) {
+  const uint32_t chunks = static_cast<uint32_t>(ceilDiv(units, 32 * kChunkU));
+  for (uint32_t wu = warpId; wu < bound * chunks; wu += numWarps) {
+    const uint32_t t = wu / chunks, chunk = wu % chunks;
     uint32_t ranks = 0;
     for (uint32_t k = lane; k < g.topK; k += 32) {
       int64_t e = loadIndex(a.indices, a.indexKind, a.indexStrides, t, k);
@@ -483,24 +504,39 @@ __device__ void combineRecvBody(const CombineKernelArgs& a) {
     }
     ranks = __reduce_or_sync(0xffffffffu, ranks);
     OT* row = out + static_cast<int64_t>(t) * a.outRowStride;
-    for (uint32_t u = lane; u < units; u += 32) {
-      float acc[N];
-      if (a.accumulate) {
-        loadF<OT, N>(row + static_cast<uint64_t>(u) * N, acc);
+    const uint32_t u0 = chunk * 32 * kChunkU + lane;
+    float acc[kChunkU][N];
+#pragma unroll
+    for (int c = 0; c < kChunkU; ++c) {
+      const uint32_t u = u0 + c * 32;
+      if (a.accumulate && u < units) {
+        loadF<OT, N>(row + static_cast<uint64_t>(u) * N, acc[c]);
       } else {
 #pragma unroll
-        for (int i = 0; i < N; ++i) acc[i] = 0.f;
+        for (int i = 0; i < N; ++i) acc[c][i] = 0.f;
       }
-      for (uint32_t m = ranks; m != 0; m &= m - 1) {
-        const int e = __ffs(m) - 1;
-        const PT* p = reinterpret_cast<const PT*>(local + g.offPartials +
-                                                  (static_cast<uint64_t>(e) * g.maxTokens + t) * g.partialBytes);
-        float pv[N];
-        loadF<PT, N>(p + static_cast<uint64_t>(u) * N, pv);
+    }
+    // Expert ranks in ascending order: a fixed summation order, so results are bitwise reproducible.
+    for (uint32_t m = ranks; m != 0; m &= m - 1) {
+      const int e = __ffs(m) - 1;
+      const PT* p = reinterpret_cast<const PT*>(local + g.offPartials +
+                                                (static_cast<uint64_t>(e) * g.maxTokens + t) * g.partialBytes);
+      float pv[kChunkU][N];
 #pragma unroll
-        for (int i = 0; i < N; ++i) acc[i] += pv[i];
+      for (int c = 0; c < kChunkU; ++c) {
+        const uint32_t u = u0 + c * 32;
+        if (u < units) loadF<PT, N>(p + static_cast<uint64_t>(u) * N, pv[c]);
       }
-      storeF<OT, N>(row + static_cast<uint64_t>(u) * N, acc);
+#pragma unroll
+      for (int c = 0; c < kChunkU; ++c) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) acc[c][i] += pv[c][i];
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < kChunkU; ++c) {
+      const uint32_t u = u0 + c * 32;
+      if (u < units) storeF<OT, N>(row + static_cast<uint64_t>(u) * N, acc[c]);
     }
   }
 }
