@@ -635,7 +635,7 @@ int launcher(int argc, char** argv, const Options& o) {
     if (pid == 0) {
       int n = 0;
       if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
-      _exit(n > 0 ? n : 1);
+      _exit(n > 0 ? n : 4);  // no GPU: 4 local processes on the host backend (issue 5)
     }
     int st = 0;
     waitpid(pid, &st, 0);
