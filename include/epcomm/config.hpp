@@ -45,8 +45,11 @@ struct Config {
   uint64_t batchedRowsPerExpert() const;
   /// Rows of the packed layout: the most any rank can receive, with padding.
   uint64_t packedRows() const;
-  /// Rows of outExpertX / expertY in the configured layout (dimension 0 of packed, L*dim1 of batched).
+  /// Rows addressed by one expert's index range: batchedRowsPerExpert() (dimension 1 of [L, R, ...]) in the
+  /// batched layout, packedRows() (dimension 0 of [P, ...]) in the packed layout.
   uint64_t expertRows() const;
+  /// Rows of the whole outExpertX / expertY tensor: L * R batched, P packed.
+  uint64_t totalExpertRows() const;
 
   /// One-line description: "E=256 K=8 H=7168 bytes=7168 scale=224 T=128 W=8 D=1 pad=1 batched rank=0".
   std::string toString() const;

@@ -44,8 +44,8 @@ void Config::validate() const {
                "expertPadding " << expertPadding << " is not a power of two" << self);
   EPCOMM_CHECK(layout == Layout::kBatched || layout == Layout::kPacked, kInvalidConfig,
                "layout " << static_cast<int>(layout) << " is not batched (0) or packed (1)" << self);
-  EPCOMM_CHECK(expertRows() * numLocalExperts() < (1ull << 31), kInvalidConfig,
-               "maxNumTokens " << maxNumTokens << " x worldSize / dpSize gives " << expertRows()
+  EPCOMM_CHECK(totalExpertRows() < (1ull << 31), kInvalidConfig,
+               "maxNumTokens " << maxNumTokens << " x worldSize / dpSize gives " << totalExpertRows()
                                << " rows per rank, over the int32 limit" << self);
 }
 
@@ -59,6 +59,10 @@ uint64_t Config::packedRows() const {
 
 uint64_t Config::expertRows() const {
   return layout == Layout::kBatched ? batchedRowsPerExpert() : packedRows();
+}
+
+uint64_t Config::totalExpertRows() const {
+  return layout == Layout::kBatched ? numLocalExperts() * batchedRowsPerExpert() : packedRows();
 }
 
 std::string Config::toString() const {
