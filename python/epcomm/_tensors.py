@@ -165,8 +165,8 @@ class _Checker:
         info = self.info("bound_m", obj, False)
         if info is None:
             return
-        if info.dtype != "int32":
-            raise invalid_argument(f"bound_m must be int32, got {info.dtype}")
+        if info.dtype not in ("int32", "uint32"):
+            raise invalid_argument(f"bound_m must be int32 (or uint32), got {info.dtype}")
         n = 1
         for s in info.shape:
             n *= s

@@ -122,8 +122,9 @@ TensorView toTensorView(const char* name, nb::handle obj, bool writable, bool op
 const int32_t* boundMPointer(nb::handle obj, const TensorView& peer, TensorHolder& holder) {
   if (obj.is_none()) return nullptr;
   TensorView view = toTensorView("bound_m", obj, false, false, holder);
-  EPCOMM_CHECK(view.dtype == DType::kI32, kInvalidArgument,
-               "bound_m must be an int32 tensor, got " << dtypeName(view.dtype));
+  // pplx-kernels passes uint32; the backends read the same 32 bits as int32 (counts are < 2^31).
+  EPCOMM_CHECK(view.dtype == DType::kI32 || view.dtype == DType::kU32, kInvalidArgument,
+               "bound_m must be an int32 (or uint32) tensor, got " << dtypeName(view.dtype));
   EPCOMM_CHECK(view.numel() == 1, kInvalidArgument,
                "bound_m must hold exactly one element (0-d or shape [1]), got " << view.toString());
   EPCOMM_CHECK(!peer.defined() || (view.memory == peer.memory && view.device == peer.device), kInvalidArgument,

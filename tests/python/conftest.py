@@ -16,7 +16,7 @@ def free_port() -> int:
 def spawn():
     """spawn(target, n, args_fn, timeout) -> list of (status, rank, payload): runs target(rank, *args_fn(rank),
     results) in n spawned processes and fails the test on any error or hang."""
-    import _host_worker
+    import _mp_util
 
     def run(target, n, args_fn, timeout_s=180.0):
         ctx = mp.get_context("spawn")
@@ -24,7 +24,7 @@ def spawn():
         procs = [ctx.Process(target=target, args=(r, *args_fn(r), results), daemon=True) for r in range(n)]
         for p in procs:
             p.start()
-        out = _host_worker.gather(procs, results, timeout_s)
+        out = _mp_util.gather(procs, results, timeout_s)
         errors = [f"rank {rank}:\n{payload}" for status, rank, payload in out if status != "ok"]
         assert not errors, "\n".join(errors)
         return out

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed")
 import epcomm  # noqa: E402
 
-import _host_worker  # noqa: E402
+import _mp_util  # noqa: E402
 import _torch_worker  # noqa: E402
 from conftest import free_port  # noqa: E402
 
@@ -76,11 +76,11 @@ def test_torch_docs_example():
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_host_worker.run_example, args=(r, WORLD, example, env, results), daemon=True)
+    procs = [ctx.Process(target=_mp_util.run_example, args=(r, WORLD, example, env, results), daemon=True)
              for r in range(WORLD)]
     for p in procs:
         p.start()
-    out = _host_worker.gather(procs, results, 300)
+    out = _mp_util.gather(procs, results, 300)
     errors = [f"rank {rank}:\n{payload}" for status, rank, payload in out if status != "ok"]
     assert not errors, "\n".join(errors)
 
