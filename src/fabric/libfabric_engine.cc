@@ -396,22 +396,22 @@ PeerId LibfabricEngine::addPeer(const std::vector<uint8_t>& address) {
                                        << (options_.shardByBytes ? "bytes" : "peer") << ": they must match");
   EPCOMM_CHECK(provHash == static_cast<uint32_t>(fnv1a64(prov_.data(), prov_.size())), kInvalidArgument,
                "addPeer: the peer uses another libfabric provider than " << prov_);
-  std::vector<fi_addr_t> addrs(numNics_);
-  std::vector<uint64_t> sinkAddr(numNics_), sinkKey(numNics_);
+  PeerEntry entry;
+  entry.hash = fnv1a64(address.data(), address.size());
   std::lock_guard<std::mutex> plock(peersMu_);
   for (int n = 0; n < numNics_; ++n) {
     uint32_t len = get32();
     EPCOMM_CHECK(pos + len + 16 <= address.size(), kInvalidArgument, "addPeer: truncated address for NIC " << n);
     std::lock_guard<std::mutex> lock(nics_[n]->mu);
-    int rc = fi_av_insert(nics_[n]->av, address.data() + pos, 1, &addrs[n], 0, nullptr);
+    int rc = fi_av_insert(nics_[n]->av, address.data() + pos, 1, &entry.addrs[n], 0, nullptr);
     EPCOMM_CHECK(rc == 1, kFabric,
                  "fi_av_insert (NIC " << n << ", provider " << prov_ << ") failed: " << (rc < 0 ? fiErr(rc) : "0 inserted"));
     pos += len;
-    std::memcpy(&sinkAddr[n], address.data() + pos, 8);
-    std::memcpy(&sinkKey[n], address.data() + pos + 8, 8);
+    std::memcpy(&entry.sinkAddr[n], address.data() + pos, 8);
+    std::memcpy(&entry.sinkKey[n], address.data() + pos + 8, 8);
     pos += 16;
   }
-  peers_.push_back({fnv1a64(address.data(), address.size()), addrs, sinkAddr, sinkKey});
+  peers_.push_back(entry);
   return static_cast<PeerId>(peers_.size() - 1);
 }
 
@@ -683,6 +683,55 @@ void LibfabricEngine::postPlan(const Target& target, const MemoryRegion* src, st
     for (Piece* p : now[n]) submitLocked(nic, p, finished);
   }
   for (auto& f : finished) finishOp(f);
+}
+
+bool LibfabricEngine::tryInject(PeerId peer, const void* buf, size_t len, const MemoryDesc* dst, uint64_t dstOffset,
+                                bool withImm, uint32_t imm, Completion& done) {
+  const int n = static_cast<int>(peer % numNics_);
+  PeerEntry e;
+  {
+    std::lock_guard<std::mutex> lock(peersMu_);
+    if (peer >= peers_.size()) return false;  // the slow path reports it
+    e = peers_[peer];
+  }
+  const uint64_t raddr = len > 0 ? (virtAddr_ ? dst->addr : 0) + dstOffset : e.sinkAddr[n];
+  const uint64_t key = len > 0 ? dst->keys[n] : e.sinkKey[n];
+  FiNic& nic = *nics_[n];
+  ssize_t rc;
+  {
+    std::lock_guard<std::mutex> lock(nic.mu);
+    if (!nic.pending.empty()) return false;  // keep the order behind queued work
+    rc = withImm ? fi_inject_writedata(nic.ep, buf, len, imm, e.addrs[n], raddr, key)
+                 : fi_inject_write(nic.ep, buf, len, e.addrs[n], raddr, key);
+  }
+  if (rc != 0) return false;  // FI_EAGAIN or an error: the slow path queues or reports it
+  if (done.counter != nullptr) done.counter->fetch_add(1, std::memory_order_acq_rel);
+  if (done.callback) {
+    try {
+      done.callback("");
+    } catch (const std::exception& ex) {
+      recordError(ErrorCode::kInternal, std::string("completion callback threw: ") + ex.what());
+    }
+  }
+  return true;
+}
+
+void LibfabricEngine::write(PeerId peer, const MemoryRegion& src, uint64_t srcOffset, const MemoryDesc& dst,
+                            uint64_t dstOffset, uint64_t length, bool withImm, uint32_t imm, Completion done) {
+  // NOTE: the latency path (small write-with-immediate) skips the op/piece allocations and the plan: a direct
+  // fi_inject_writedata under the NIC lock. Anything unusual falls through to the general path, which validates.
+  if (length <= injectSize_ && (numNics_ == 1 || !options_.shardByBytes) &&
+      dst.numNics == static_cast<uint32_t>(numNics_) && dstOffset <= dst.size && length <= dst.size - dstOffset &&
+      srcOffset <= src.size() && length <= src.size() - srcOffset) {
+    const void* buf = length > 0 ? static_cast<const uint8_t*>(src.data()) + srcOffset : nullptr;
+    if (tryInject(peer, buf, length, &dst, dstOffset, withImm, imm, done)) return;
+  }
+  EngineBase::write(peer, src, srcOffset, dst, dstOffset, length, withImm, imm, std::move(done));
+}
+
+void LibfabricEngine::immediate(PeerId peer, uint32_t imm, Completion done) {
+  if ((numNics_ == 1 || !options_.shardByBytes) && tryInject(peer, nullptr, 0, nullptr, 0, true, imm, done)) return;
+  EngineBase::immediate(peer, imm, std::move(done));
 }
 
 void LibfabricEngine::send(PeerId peer, const void* data, size_t bytes, Completion done) {

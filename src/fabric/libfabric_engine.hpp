@@ -36,6 +36,10 @@ class LibfabricEngine : public EngineBase {
   PeerId addPeer(const std::vector<uint8_t>& address) override;
   std::unique_ptr<MemoryRegion> registerMemory(void* data, size_t bytes, MemoryKind kind, int device) override;
   void send(PeerId peer, const void* data, size_t bytes, Completion done) override;
+  /// Small writes and immediates to one NIC take an inject fast path (no allocation, no completion entry).
+  void write(PeerId peer, const MemoryRegion& src, uint64_t srcOffset, const MemoryDesc& dst, uint64_t dstOffset,
+             uint64_t length, bool withImm, uint32_t imm, Completion done) override;
+  void immediate(PeerId peer, uint32_t imm, Completion done) override;
 
   /// Closes registrations (called by the region's destructor).
   void deregister(std::vector<fid_mr*>& mrs);
@@ -51,10 +55,10 @@ class LibfabricEngine : public EngineBase {
  private:
   using Finished = std::vector<std::shared_ptr<OpState>>;
   struct PeerEntry {
-    uint64_t hash;
-    std::vector<fi_addr_t> addrs;
-    std::vector<uint64_t> sinkAddr;  // per NIC: the peer's immediate sink (target of zero-byte writes)
-    std::vector<uint64_t> sinkKey;
+    uint64_t hash = 0;
+    fi_addr_t addrs[kMaxNics] = {FI_ADDR_UNSPEC, FI_ADDR_UNSPEC, FI_ADDR_UNSPEC, FI_ADDR_UNSPEC};
+    uint64_t sinkAddr[kMaxNics] = {0, 0, 0, 0};  // per NIC: the peer's immediate sink (target of zero-byte writes)
+    uint64_t sinkKey[kMaxNics] = {0, 0, 0, 0};
   };
 
   static fi_info* getInfo(const std::string& prov, bool hmem, bool ordered);
@@ -63,6 +67,8 @@ class LibfabricEngine : public EngineBase {
   void closeAll();
   fi_addr_t peerAddr(PeerId peer, int nic) const;
   PeerEntry peerEntry(PeerId peer) const;
+  bool tryInject(PeerId peer, const void* buf, size_t len, const MemoryDesc* dst, uint64_t dstOffset, bool withImm,
+                 uint32_t imm, Completion& done);
   ssize_t postPiece(FiNic& n, Piece* p);
   void submitLocked(FiNic& n, Piece* p, Finished& finished);
   void retryPending(FiNic& n, Finished& finished);
