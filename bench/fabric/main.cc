@@ -89,7 +89,7 @@ std::string sizeText(uint64_t s) {
 
 std::vector<uint64_t> sweep(const Args& a) {
   std::vector<uint64_t> sizes;
-  for (uint64_t s = a.minSize; s <= a.maxSize; s *= 8) sizes.push_back(s);
+  for (uint64_t s = a.minSize; s <= a.maxSize; s *= 4) sizes.push_back(s);
   if (sizes.empty() || sizes.back() != a.maxSize) sizes.push_back(a.maxSize);
   return sizes;
 }
