@@ -134,6 +134,11 @@ def _flat(arr) -> np.ndarray:
 
 
 def run_rank(rank: int, case: Case, address: str, results) -> None:
+    import os
+
+    # CI machines are small and shared: give the rendezvous and the waits room when 4 ranks start under load.
+    # (Read by epcomm on first use, so it must be set before the first epcomm call in this process.)
+    os.environ.setdefault("EPCOMM_TIMEOUT_MS", "60000")
     try:
         results.put(("ok", rank, _run(rank, case, address)))
     except BaseException:  # noqa: BLE001 -- report everything to the parent
