@@ -149,9 +149,8 @@ void runEngine(const Args& a, const std::string& provider, const std::string& ou
           if (posted - done.load(std::memory_order_acquire) >= static_cast<uint64_t>(a.inflight)) {
             engine->waitCounter(done, posted - a.inflight + 1, "bandwidth window");
           }
-          uint64_t slot = (i % a.inflight) * std::min<uint64_t>(size, a.maxSize / a.inflight);
-          if (slot + size > a.maxSize) slot = 0;
-          engine->write(peer, *region, 0, remote, a.maxSize + slot, size, true, 3, c);
+          // Same source and destination for every write, as fi_pingpong and ib_write_bw reuse their buffers.
+          engine->write(peer, *region, 0, remote, a.maxSize, size, true, 3, c);
           ++posted;
         }
         engine->waitCounter(done, posted, "bandwidth drain");
