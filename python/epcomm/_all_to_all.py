@@ -160,7 +160,7 @@ class AllToAll:
 
     Calls are stream-ordered on the caller's current CUDA stream (torch) or on ``stream=`` (any other framework),
     never synchronise the host on GPU backends, and are captured by CUDA graphs. With torch tensors they run as the
-    custom ops ``torch.ops.epcomm.dispatch`` / ``combine``, so torch.compile(fullgraph=True) keeps them in the graph.
+    custom ops ``torch.ops.epcomm.dispatch`` (``dispatch_scaled``) / ``combine``, so torch.compile(fullgraph=True) keeps them in the graph.
     """
 
     def __init__(self, max_num_tokens: int, num_experts: int, experts_per_token: int, rank: int, world_size: int,
@@ -231,9 +231,17 @@ class AllToAll:
         do_send / do_recv split the call into its non-blocking send half and its receive half. `stream`
         (cudaStream_t as int) is for non-torch callers; torch tensors use the current stream.
         """
-        if _torch_ops.HAVE_TORCH_OPS and isinstance(dp_x if dp_x is not None else out_expert_x, _torch.Tensor):
-            _torch_ops.DISPATCH(self._handle, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
-                                   dp_x_scale, indices, bound_m, do_send, do_recv)
+        if (_torch_ops.HAVE_TORCH_OPS and stream is None and isinstance(out_expert_x, _torch.Tensor)
+                and isinstance(out_expert_num_tokens, _torch.Tensor)):
+            if out_expert_x_scale is None:
+                if dp_x_scale is not None:  # an error (no scales configured): the eager path reports it
+                    return self._dispatch_eager(out_expert_num_tokens, out_expert_x, None, dp_x, dp_x_scale, indices,
+                                                bound_m, do_send, do_recv, stream)
+                _torch_ops.DISPATCH(self._handle, out_expert_num_tokens, out_expert_x, dp_x, indices, bound_m,
+                                    do_send, do_recv)
+            else:
+                _torch_ops.DISPATCH_SCALED(self._handle, out_expert_num_tokens, out_expert_x, out_expert_x_scale,
+                                           dp_x, dp_x_scale, indices, bound_m, do_send, do_recv)
             return
         self._dispatch_eager(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
                              bound_m, do_send, do_recv, stream)
@@ -248,9 +256,9 @@ class AllToAll:
         Shapes: out_tokens [m, H] bf16 / fp16 / fp32 (written); indices [m, K]; weights [m, K] fp32;
         expert_y in out_expert_x's layout with H columns, bf16 / fp16 / fp32.
         """
-        if _torch_ops.HAVE_TORCH_OPS and isinstance(out_tokens if out_tokens is not None else expert_y, _torch.Tensor):
+        if _torch_ops.HAVE_TORCH_OPS and stream is None and isinstance(out_tokens, _torch.Tensor):
             _torch_ops.COMBINE(self._handle, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv,
-                                  accumulate)
+                               accumulate)
             return
         self._combine_eager(out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, accumulate, stream)
 

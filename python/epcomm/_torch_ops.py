@@ -1,4 +1,4 @@
-"""torch custom ops ``epcomm::dispatch`` and ``epcomm::combine`` (registered when torch is importable).
+"""torch custom ops ``epcomm::dispatch``, ``epcomm::dispatch_scaled`` and ``epcomm::combine`` (registered when torch is importable).
 
 The ops declare the tensors they write (mutates_args), so torch.compile(fullgraph=True) keeps them in the graph
 without breaks and orders them correctly, and CUDA graphs capture the kernels they launch on the current stream.
@@ -49,19 +49,37 @@ def lookup(handle: int) -> Any:
 HAVE_TORCH_OPS = torch is not None and hasattr(torch, "library") and hasattr(torch.library, "custom_op")
 
 if HAVE_TORCH_OPS:
+    # Two dispatch ops instead of one with an Optional mutated scale: every mutated argument is a plain Tensor, the
+    # form torch.compile's functionalization handles in every torch version that has custom_op.
 
-    @torch.library.custom_op(
-        "epcomm::dispatch",
-        mutates_args=("out_expert_num_tokens", "out_expert_x", "out_expert_x_scale"),
-    )
+    @torch.library.custom_op("epcomm::dispatch", mutates_args=("out_expert_num_tokens", "out_expert_x"))
     def dispatch_op(
         handle: int,
         out_expert_num_tokens: torch.Tensor,
         out_expert_x: torch.Tensor,
-        out_expert_x_scale: Optional[torch.Tensor],
-        dp_x: torch.Tensor,
+        dp_x: Optional[torch.Tensor],
+        indices: Optional[torch.Tensor],
+        bound_m: Optional[torch.Tensor],
+        do_send: bool,
+        do_recv: bool,
+    ) -> None:
+        lookup(handle)._dispatch_eager(out_expert_num_tokens, out_expert_x, None, dp_x, None, indices, bound_m,
+                                       do_send, do_recv, None)
+
+    @dispatch_op.register_fake
+    def _dispatch_fake(handle, out_expert_num_tokens, out_expert_x, dp_x, indices, bound_m, do_send, do_recv) -> None:
+        return None
+
+    @torch.library.custom_op("epcomm::dispatch_scaled",
+                             mutates_args=("out_expert_num_tokens", "out_expert_x", "out_expert_x_scale"))
+    def dispatch_scaled_op(
+        handle: int,
+        out_expert_num_tokens: torch.Tensor,
+        out_expert_x: torch.Tensor,
+        out_expert_x_scale: torch.Tensor,
+        dp_x: Optional[torch.Tensor],
         dp_x_scale: Optional[torch.Tensor],
-        indices: torch.Tensor,
+        indices: Optional[torch.Tensor],
         bound_m: Optional[torch.Tensor],
         do_send: bool,
         do_recv: bool,
@@ -69,18 +87,18 @@ if HAVE_TORCH_OPS:
         lookup(handle)._dispatch_eager(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
                                        indices, bound_m, do_send, do_recv, None)
 
-    @dispatch_op.register_fake
-    def _dispatch_fake(handle, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
-                       bound_m, do_send, do_recv) -> None:
+    @dispatch_scaled_op.register_fake
+    def _dispatch_scaled_fake(handle, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
+                              indices, bound_m, do_send, do_recv) -> None:
         return None
 
     @torch.library.custom_op("epcomm::combine", mutates_args=("out_tokens",))
     def combine_op(
         handle: int,
         out_tokens: torch.Tensor,
-        indices: torch.Tensor,
-        weights: torch.Tensor,
-        expert_y: torch.Tensor,
+        indices: Optional[torch.Tensor],
+        weights: Optional[torch.Tensor],
+        expert_y: Optional[torch.Tensor],
         bound_m: Optional[torch.Tensor],
         do_send: bool,
         do_recv: bool,
@@ -95,10 +113,13 @@ if HAVE_TORCH_OPS:
 
     # The OpOverloads: what dispatch()/combine() call, so that torch.compile sees a plain torch.ops call.
     DISPATCH = torch.ops.epcomm.dispatch.default
+    DISPATCH_SCALED = torch.ops.epcomm.dispatch_scaled.default
     COMBINE = torch.ops.epcomm.combine.default
 
 else:
     dispatch_op = None
+    dispatch_scaled_op = None
     combine_op = None
     DISPATCH = None
+    DISPATCH_SCALED = None
     COMBINE = None

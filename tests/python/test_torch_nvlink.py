@@ -90,4 +90,6 @@ def test_torch_custom_ops_registered():
     assert epcomm.HAVE_TORCH_OPS
     schema = str(torch.ops.epcomm.dispatch.default._schema)
     assert "Tensor(a1!) out_expert_num_tokens" in schema and "Tensor(a2!) out_expert_x" in schema, schema
+    scaled = str(torch.ops.epcomm.dispatch_scaled.default._schema)
+    assert "Tensor(a3!) out_expert_x_scale" in scaled, scaled
     assert "Tensor(a1!) out_tokens" in str(torch.ops.epcomm.combine.default._schema)
