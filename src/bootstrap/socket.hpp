@@ -14,13 +14,15 @@ using Clock = std::chrono::steady_clock;
 /// A point in time after which a socket operation gives up.
 class Deadline {
  public:
-  /// Expires `ms` milliseconds from now.
-  explicit Deadline(int64_t ms) : end_(Clock::now() + std::chrono::milliseconds(ms)) {}
+  /// Expires `ms` milliseconds from now (clamped to 30 days, so a huge EPCOMM_TIMEOUT_MS cannot overflow the clock).
+  explicit Deadline(int64_t ms)
+      : end_(Clock::now() + std::chrono::milliseconds(ms < kMaxMs ? (ms > 0 ? ms : 0) : kMaxMs)) {}
   /// Milliseconds left, clamped to [0, INT32_MAX] so that it can be passed to poll().
   int remainingMs() const;
   bool expired() const { return Clock::now() >= end_; }
 
  private:
+  static constexpr int64_t kMaxMs = int64_t{30} * 24 * 3600 * 1000;
   Clock::time_point end_;
 };
 
