@@ -38,7 +38,9 @@ _NUMPY_STORAGE = {
     "uint32": ("uint32", False),
     "int64": ("int64", False),
 }
-_TORCH_REINTERPRET = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
+# torch dtypes that older DLPack exporters reject: exported as a same-size dtype with the epcomm name attached.
+_TORCH_REINTERPRET = {"float8_e4m3fn": ("uint8", "fp8_e4m3"), "float8_e5m2": ("uint8", "fp8_e5m2"),
+                      "uint32": ("int32", "uint32")}
 
 
 def make_config(max_num_tokens: int, num_experts: int, experts_per_token: int, rank: int, world_size: int,
@@ -101,27 +103,49 @@ def plan(config: Union["_C.Config", str, None] = None, backend: str = "", **kwar
     return Plan(cfg, backend)
 
 
+_EXPORT = []  # the chosen torch -> capsule function, found on first use
+
+
+def _torch_exporter() -> Any:
+    """The raw DLPack export of torch: no stream handshake, no deprecation warning in the hot path."""
+    if not _EXPORT:
+        import torch
+
+        fn = getattr(torch._C, "_to_dlpack", None)
+        if fn is None:
+            import torch.utils.dlpack
+
+            fn = getattr(torch.utils.dlpack, "to_dlpack", None)
+        if fn is None:  # only the protocol is left: stream=-1 asks for no synchronisation
+            def fn(t: Any) -> Any:
+                return t.__dlpack__(stream=-1) if t.is_cuda else t.__dlpack__()
+        _EXPORT.append(fn)
+    return _EXPORT[0]
+
+
 def _to_dlpack(t: Any) -> Any:
     """A torch tensor as something the extension imports without torch's stream handshake.
 
-    Tensor.__dlpack__() without a stream makes the legacy default stream wait on the current one (an event per
-    tensor), which breaks CUDA-graph capture; a capsule from to_dlpack carries no synchronisation. fp8 travels
-    as uint8 with the dtype name attached (older DLPack exporters lack fp8 codes)."""
-    import torch.utils.dlpack
+    Tensor.__dlpack__() without a stream may make the default stream wait on the current one (an event per
+    tensor), which breaks CUDA-graph capture; a raw capsule carries no synchronisation. fp8 (and uint32) travel as
+    same-size integers with the dtype name attached (older DLPack exporters lack those codes)."""
+    import torch
 
     if t.requires_grad:
         t = t.detach()
-    name = _TORCH_REINTERPRET.get(str(t.dtype).replace("torch.", ""))
-    if name is not None:
-        return (torch.utils.dlpack.to_dlpack(t.view(torch.uint8)), name)
-    return torch.utils.dlpack.to_dlpack(t)
+    export = _torch_exporter()
+    alias = _TORCH_REINTERPRET.get(str(t.dtype).replace("torch.", ""))
+    if alias is not None:
+        return (export(t.view(getattr(torch, alias[0]))), alias[1])
+    return export(t)
 
 
 def _prepare(t: Any) -> Any:
     if t is None:
         return None
     if isinstance(t, TypedArray):
-        return (_prepare(t.array), t.dtype)
+        inner = _prepare(t.array)
+        return (inner[0] if isinstance(inner, tuple) else inner, t.dtype)
     if is_torch_tensor(t):
         return _to_dlpack(t)
     return t
