@@ -362,7 +362,10 @@ class AllToAll:
                     raise invalid_argument(f"unknown dtype '{name}' ({', '.join(_TORCH_DTYPES)})")
                 dtype = getattr(torch, _TORCH_DTYPES[name])
             dev = device if device is not None else (self.device if self.device != "cuda" else "cuda")
-            return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=dev)
+            # Zero bits through a same-size integer view: fill kernels do not exist for every dtype (fp8).
+            item = torch.empty((), dtype=dtype).element_size()
+            bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[item]
+            return (torch.zeros if zero else torch.empty)(shape, dtype=bits, device=dev).view(dtype)
         import numpy as np
 
         if dtype is None or isinstance(dtype, str):

@@ -63,7 +63,7 @@ def _reference(epcomm, cfg, W, D, groups, sc, ex_dtype, ys, out_dtype, accumulat
         num = torch.zeros(cfg.num_local_experts, dtype=torch.int32)
         shape = ((cfg.num_local_experts, cfg.batched_rows_per_expert) if cfg.layout == epcomm.Layout.batched
                  else (cfg.packed_rows,))
-        ex = torch.zeros(*shape, H, dtype=ex_dtype)
+        ex = torch.zeros(*shape, H * ex_dtype.itemsize, dtype=torch.uint8).view(ex_dtype)  # no fp8 fill needed
         exs = torch.zeros(*shape, H // 128) if gi.scale is not None else None
         bm = torch.tensor([gi.bound], dtype=torch.int32) if sc.get("bound") else None
         disp.append(dict(out_expert_num_tokens=num, out_expert_x=ex, out_expert_x_scale=exs, dp_x=gi.x,
