@@ -33,7 +33,7 @@ class Case:
     accumulate: bool = False
     masked_fraction: float = 0.15
     rounds: int = 2
-    bootstrap: str = "tcp"  # tcp | callback
+    bootstrap: str = "tcp"  # tcp | callback | env
     seed: int = 1234
     tags: List[str] = field(default_factory=list)
 
@@ -151,7 +151,12 @@ def _run(rank: int, case: Case, address: str) -> Dict[str, int]:
 
     W, D = case.world_size, case.dp_size
     bootstrap = address
-    if case.bootstrap == "callback":
+    if case.bootstrap == "env":
+        import os
+
+        os.environ.update(EPCOMM_BOOTSTRAP=address, EPCOMM_RANK=str(rank), EPCOMM_WORLD_SIZE=str(W))
+        bootstrap = "env"
+    elif case.bootstrap == "callback":
         bootstrap = _CallbackBootstrap(_C.tcp_bootstrap(address, rank, W))
     a2a = epcomm.AllToAll(case.max_num_tokens, case.num_experts, case.experts_per_token, rank, W, D, case.hidden_dim,
                           hidden_dim_bytes(case), case.hidden_dim // 32 * 4 if case.with_scale else 0,

@@ -12,7 +12,8 @@ SCENARIOS: List[Dict[str, Any]] = [
     # Every dispatch dtype with several combine (expert_y, out_tokens) dtype pairs.
     dict(name="bf16", x="bf16", pairs=[("bf16", "bf16"), ("fp16", "fp32"), ("fp32", "bf16")]),
     dict(name="fp8_scale", x="fp8_e4m3", scale=True, pairs=[("bf16", "bf16"), ("fp32", "fp16"), ("fp16", "bf16")]),
-    dict(name="fp16", x="fp16", pairs=[("fp16", "fp16"), ("bf16", "fp32")]),
+    dict(name="fp16_torch_group_bootstrap", x="fp16", torch_bootstrap=True,
+         pairs=[("fp16", "fp16"), ("bf16", "fp32")]),
     dict(name="fp32_int64", x="fp32", index="int64", pairs=[("fp32", "fp32")]),
     dict(name="dp2_bf16", x="bf16", dp=2, pairs=[("bf16", "bf16")]),
     dict(name="packed_pad_fp8", x="fp8_e4m3", scale=True, layout="packed", padding=16, pairs=[("bf16", "bf16")]),
@@ -124,7 +125,8 @@ def _make(epcomm, torch, rank, W, sc, group):
     x = sc.get("x", "bf16")
     return epcomm.AllToAll(T, E, K, rank, W, sc.get("dp", 1), H, H * _item(x), H // 128 * 4 if sc.get("scale") else 0,
                            expert_padding=sc.get("padding", 1), layout=sc.get("layout", "batched"), backend="nvlink",
-                           group=group)
+                           group=None if sc.get("torch_bootstrap") else group,
+                           bootstrap=epcomm.TorchGroupBootstrap(group) if sc.get("torch_bootstrap") else None)
 
 
 def _run_plain(epcomm, torch, rank, W, sc, group) -> Dict[str, int]:

@@ -19,6 +19,7 @@ CASES = [
     Case("w2_fp32_fp16_split_uint32", world_size=2, x_dtype="fp32", y_dtype="fp16", out_dtype="fp16",
          index_dtype="uint32", split_send_recv=True),
     Case("w2_callback_bootstrap", world_size=2, bootstrap="callback", rounds=1),
+    Case("w2_env_bootstrap", world_size=2, bootstrap="env", rounds=1, layout="packed"),
     Case("w4_dp2_bf16_bound_split", world_size=4, dp_size=2, num_experts=16, use_bound_m=True, split_send_recv=True),
     Case("w4_packed_fp8_scale", world_size=4, num_experts=16, experts_per_token=4, x_dtype="fp8_e4m3",
          with_scale=True, layout="packed", expert_padding=8, y_dtype="fp32", out_dtype="bf16"),
