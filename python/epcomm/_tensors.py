@@ -228,9 +228,10 @@ class _Checker:
             if ox is not None:
                 item = _itemsize(ox.dtype)
                 if item == 0 or c.hidden_dim_bytes % item != 0:
-                    raise invalid_argument(
-                        f"out_expert_x has dtype {ox.dtype} that does not divide hidden_dim_bytes = {c.hidden_dim_bytes}")
-                self.dims("out_expert_x", ox, *self.expert_shape(c.hidden_dim_bytes // item, "hidden_dim_bytes / itemsize"))
+                    raise invalid_argument(f"out_expert_x has dtype {ox.dtype} that does not divide "
+                                           f"hidden_dim_bytes = {c.hidden_dim_bytes}")
+                self.dims("out_expert_x", ox,
+                          *self.expert_shape(c.hidden_dim_bytes // item, "hidden_dim_bytes / itemsize"))
                 self.inner_contiguous("out_expert_x", ox)
                 self.row_aligned("out_expert_x", ox)
             if c.hidden_dim_scale_bytes > 0:

@@ -1,4 +1,5 @@
-"""torch custom ops ``epcomm::dispatch``, ``epcomm::dispatch_scaled`` and ``epcomm::combine`` (registered when torch is importable).
+"""torch custom ops ``epcomm::dispatch``, ``epcomm::dispatch_scaled`` and ``epcomm::combine`` (registered when
+torch is importable).
 
 The ops declare the tensors they write (mutates_args), so torch.compile(fullgraph=True) keeps them in the graph
 without breaks and orders them correctly, and CUDA graphs capture the kernels they launch on the current stream.
