@@ -91,6 +91,10 @@ std::vector<uint64_t> sweep(const Args& a) {
   std::vector<uint64_t> sizes;
   for (uint64_t s = a.minSize; s <= a.maxSize; s *= 4) sizes.push_back(s);
   if (sizes.empty() || sizes.back() != a.maxSize) sizes.push_back(a.maxSize);
+  // 64 KiB is where the bandwidth goal starts: always measure it.
+  if (a.minSize <= 65536 && a.maxSize >= 65536 && std::find(sizes.begin(), sizes.end(), 65536) == sizes.end()) {
+    sizes.insert(std::upper_bound(sizes.begin(), sizes.end(), 65536), 65536);
+  }
   return sizes;
 }
 

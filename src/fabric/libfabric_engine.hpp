@@ -36,8 +36,8 @@ class LibfabricEngine : public EngineBase {
   PeerId addPeer(const std::vector<uint8_t>& address) override;
   std::unique_ptr<MemoryRegion> registerMemory(void* data, size_t bytes, MemoryKind kind, int device) override;
   void send(PeerId peer, const void* data, size_t bytes, Completion done) override;
-  /// Small fire-and-forget writes and immediates (empty Completion) to one NIC take an inject fast path (no
-  /// allocation, no completion entry). With a Completion, a write completes once delivered (FI_DELIVERY_COMPLETE).
+  /// Small writes and immediates to one NIC take an inject fast path (no allocation, no completion entry), except
+  /// with options.deliveryComplete when a Completion is requested (inject cannot report delivery).
   void write(PeerId peer, const MemoryRegion& src, uint64_t srcOffset, const MemoryDesc& dst, uint64_t dstOffset,
              uint64_t length, bool withImm, uint32_t imm, Completion done) override;
   void immediate(PeerId peer, uint32_t imm, Completion done) override;

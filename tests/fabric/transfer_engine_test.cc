@@ -484,7 +484,10 @@ TEST_P(FabricTest, PeerKilledMidTransfer) {
 TEST_P(FabricTest, CorruptedDescriptor) {
   const std::string prov = provider();
   expectRanks(fg::run(2, [&](fg::Comm& comm) {
-    Node node(comm, optionsFor(prov, 2000), 1 << 16);
+    // Delivery-complete writes: the issuer hears about a key the peer rejects (tcp otherwise completes on send).
+    EngineOptions opts = optionsFor(prov, 2000);
+    opts.deliveryComplete = true;
+    Node node(comm, opts, 1 << 16);
     fill(node.data(), 1 << 15, comm.rank());
     comm.barrier();
     // Deserialization: a flipped bit, a truncated blob and garbage are rejected by the checksum / size checks.

@@ -69,6 +69,11 @@ struct EngineOptions {
   int progressCpu = -1;   ///< Pin the progress thread to this core (-1: not pinned).
   int64_t timeoutMs = 0;  ///< Bound of every wait (0: EPCOMM_TIMEOUT_MS).
   bool shardByBytes = false;  ///< Multi-NIC: split each transfer over NICs by bytes (else shard by peer).
+  /// A write's Completion fires once the data is in the peer's memory (FI_DELIVERY_COMPLETE) instead of once the
+  /// source buffer may be reused: a rejected key or a dead peer then always reaches the issuer, at the cost of
+  /// an acknowledgement per write (tcp/shm: 2-4x slower small writes). Receivers learn of delivery by immediates
+  /// either way.
+  bool deliveryComplete = false;
 };
 
 /// The engine. Submission is non-blocking and thread-safe; a progress thread drives completions.
