@@ -36,7 +36,7 @@ void checkHostRange(const void* data, size_t bytes);
 struct OpState {
   Completion done;
   PeerId peer = 0;
-  std::string what;             ///< "write", "immediate", "send", ... for messages.
+  const char* what = "";        ///< "write", "immediate", "send", ... (a literal) for messages.
   int64_t deadlineMs = 0;       ///< Absolute; pieces not completed by then fail the op with kTimeout.
   std::atomic<int> pending{0};  ///< Pieces not yet completed.
   std::atomic<bool> reported{false};

@@ -78,6 +78,32 @@ struct Piece {
   int64_t deadline = 0;
   std::vector<uint8_t> msg;  // send: header + payload; recv: buffer
   fid_mr* msgMr = nullptr;
+  Piece* prev = nullptr;  // intrusive list of posted pieces (FiNic::live): no allocation per operation
+  Piece* next = nullptr;
+  bool isLive = false;
+};
+
+// Posted pieces awaiting their completion, as an intrusive list.
+struct LiveList {
+  Piece* head = nullptr;
+  size_t count = 0;
+  void insert(Piece* p) {
+    p->prev = nullptr;
+    p->next = head;
+    if (head != nullptr) head->prev = p;
+    head = p;
+    p->isLive = true;
+    ++count;
+  }
+  void erase(Piece* p) {
+    if (!p->isLive) return;
+    if (p->prev != nullptr) p->prev->next = p->next;
+    if (p->next != nullptr) p->next->prev = p->prev;
+    if (head == p) head = p->next;
+    p->isLive = false;
+    --count;
+  }
+  bool empty() const { return count == 0; }
 };
 
 NicBatch::~NicBatch() { delete trailer; }
@@ -97,7 +123,7 @@ struct FiNic {
   fid_ep* ep = nullptr;
   std::mutex mu;  // every call on this domain is serialised here (FI_THREAD_DOMAIN)
   std::deque<Piece*> pending;
-  std::unordered_set<Piece*> live;
+  LiveList live;
   std::vector<Piece*> recvs;
   std::vector<uint8_t> name;
   int64_t lastSweep = 0;
@@ -330,14 +356,15 @@ void LibfabricEngine::closeAll() {
       freePiece(p);
     }
     n.pending.clear();
-    for (Piece* p : n.live) {
+    while (!n.live.empty()) {
+      Piece* p = n.live.head;
+      n.live.erase(p);
       if (p->op) {
         p->op->fail("engine closed before the operation completed");
         finishOp(p->op);
       }
       freePiece(p);
     }
-    n.live.clear();
     if (n.sinkMr != nullptr) fi_close(&n.sinkMr->fid);
     n.sinkMr = nullptr;
     if (n.av != nullptr) fi_close(&n.av->fid);
@@ -731,6 +758,43 @@ void LibfabricEngine::write(PeerId peer, const MemoryRegion& src, uint64_t srcOf
     const void* buf = length > 0 ? static_cast<const uint8_t*>(src.data()) + srcOffset : nullptr;
     if (tryInject(peer, buf, length, &dst, dstOffset, withImm, imm, done)) return;
   }
+  // One piece on one NIC (the common case of the host/proxy backends): no plan, no per-NIC vectors.
+  if ((numNics_ == 1 || !options_.shardByBytes) && length > 0 && length <= maxMsg_ && (ordered_ || !withImm) &&
+      dst.numNics == static_cast<uint32_t>(numNics_) && dstOffset <= dst.size && length <= dst.size - dstOffset &&
+      srcOffset <= src.size() && length <= src.size() - srcOffset) {
+    const int n = static_cast<int>(peer % numNics_);
+    fi_addr_t dest;
+    {
+      std::lock_guard<std::mutex> lock(peersMu_);
+      EPCOMM_CHECK(peer < peers_.size(), kInvalidArgument, "write: unknown peer " << peer);
+      dest = peers_[peer].addrs[n];
+    }
+    auto op = newOp(peer, withImm ? "write-with-immediate" : "write", std::move(done));
+    op->pending.store(1, std::memory_order_relaxed);
+    auto* p = new Piece();
+    p->kind = PieceKind::kWrite;
+    p->nic = n;
+    p->op = op;
+    p->peer = peer;
+    p->buf = static_cast<const uint8_t*>(src.data()) + srcOffset;
+    p->len = length;
+    p->desc = static_cast<const FiRegion&>(src).mrDesc_[n];
+    p->dest = dest;
+    p->raddr = (virtAddr_ ? dst.addr : 0) + dstOffset;
+    p->key = dst.keys[n];
+    p->data = imm;
+    p->imm = withImm;
+    const bool wantsCompletion = op->done.counter != nullptr || static_cast<bool>(op->done.callback);
+    p->delivery = wantsCompletion && options_.deliveryComplete;
+    p->inject = !p->delivery && length <= injectSize_;
+    Finished finished;
+    {
+      std::lock_guard<std::mutex> lock(nics_[n]->mu);
+      submitLocked(*nics_[n], p, finished);
+    }
+    for (auto& f : finished) finishOp(f);
+    return;
+  }
   EngineBase::write(peer, src, srcOffset, dst, dstOffset, length, withImm, imm, std::move(done));
 }
 
@@ -848,7 +912,7 @@ void LibfabricEngine::sweep(FiNic& n, Finished& finished) {
       ++it;
     }
   }
-  for (Piece* p : n.live) {
+  for (Piece* p = n.live.head; p != nullptr; p = p->next) {
     if (p->timedOut || now <= p->deadline) continue;
     // The provider still owns the piece, so it stays live until its completion (or the engine's close);
     // the operation itself is reported failed now.
