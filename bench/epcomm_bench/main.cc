@@ -2,12 +2,16 @@
 //
 //   epcomm-bench [--backend nvlink|host|auto] [--world W] [--config decode,prefill,small,qwen3]
 //                [--tokens 1,8,32,128,512,4096] [--iters 200] [--warmup 20] [--dp 1] [--json out.jsonl]
+//                [--barrier shm|tcp]
 //
 // Starts W processes itself (fork + exec of this binary with EPCOMM_RANK / EPCOMM_WORLD_SIZE / EPCOMM_BOOTSTRAP /
 // EPCOMM_LOCAL_RANK), one per GPU. Timing (the issue's method, so numbers compare with the peers measured there):
-// before every iteration a bootstrap barrier and a device synchronize, then CUDA events right around the call (from
-// an idle GPU, so the launch is included). "device" rows queue a ~20 us GPU spin before the first event so the
-// launch is hidden. Medians over --iters iterations after --warmup, the maximum over ranks. Never asserts a time.
+// before every iteration a device synchronize and a barrier, then CUDA events right around the call (from an idle
+// GPU, so the launch is included). The barrier is a shared-memory spin barrier (ranks leave within ~1 us of each
+// other; --barrier tcp uses the bootstrap's, which leaves tens of us of skew that every receive wait absorbs); the
+// NCCL baseline is timed the same way. The exit skew of both barriers is measured and printed first. "device" rows
+// queue a ~20 us GPU spin before the first event so the launch is hidden. Medians over --iters iterations after
+// --warmup, the maximum over ranks. Never asserts a time.
 #include <arpa/inet.h>
 #include <cuda_runtime.h>
 #include <netinet/in.h>
@@ -34,10 +38,12 @@
 #include <nccl.h>
 #endif
 
+#include "core/env.hpp"
 #include "epcomm/all_to_all.hpp"
 #include "epcomm/bootstrap.hpp"
 #include "epcomm/error.hpp"
 #include "reference/reference.hpp"
+#include "shm_barrier.hpp"
 #ifdef EPCOMM_HAVE_HOST_BACKEND
 #include "backends/host/host_all_to_all.hpp"
 #endif
@@ -63,6 +69,7 @@ struct Options {
   int dp = 1;
   std::string json;
   std::string rev;
+  std::string barrier = "shm";
 };
 
 std::vector<std::string> splitList(const std::string& s) {
@@ -102,10 +109,14 @@ Options parse(int argc, char** argv) {
       o.json = next();
     } else if (a == "--rev") {
       o.rev = next();
+    } else if (a == "--barrier") {
+      o.barrier = next();
+      EPCOMM_CHECK(o.barrier == "shm" || o.barrier == "tcp", kInvalidArgument,
+                   "--barrier must be shm or tcp, got '" << o.barrier << "'");
     } else if (a == "-h" || a == "--help") {
       std::cout << "epcomm-bench [--backend nvlink|host|auto] [--world W] [--config decode,prefill,small,qwen3]\n"
                    "             [--tokens 1,8,32,128,512,4096] [--iters 200] [--warmup 20] [--dp 1]\n"
-                   "             [--json out.jsonl] [--rev GIT_REV]\n";
+                   "             [--json out.jsonl] [--rev GIT_REV] [--barrier shm|tcp]\n";
       std::exit(0);
     } else {
       EPCOMM_THROW(kInvalidArgument, "unknown argument '" << a << "' (see --help)");
@@ -200,7 +211,9 @@ class Bench {
     char host[128] = {0};
     gethostname(host, sizeof(host) - 1);
     machine_ = std::string(host) + (hostMode_ ? " (cpu)" : " " + std::to_string(world_) + "x " + gpuName_);
+    setupBarrier();
     if (rank_ == 0) printHeader();
+    measureSkew();
     for (const std::string& name : o_.configs) {
       for (uint32_t T : o_.tokens) runOne(name, T);
     }
@@ -219,9 +232,75 @@ class Bench {
 #endif
   }
 
+  // One node (every rank on this host) and --barrier shm: the shared-memory spin barrier, else the bootstrap's.
+  void setupBarrier() {
+    char host[64] = {0};
+    gethostname(host, sizeof(host) - 1);
+    std::vector<char> all(64 * static_cast<size_t>(world_));
+    bs_.allGather(host, all.data(), 64);
+    bool oneNode = true;
+    for (int r = 0; r < world_; ++r) oneNode = oneNode && std::strncmp(all.data() + 64 * r, host, 64) == 0;
+    if (!oneNode) return;
+    char name[64];
+    std::snprintf(name, sizeof(name), "/epbench-%d-%ld", static_cast<int>(getpid()),
+                  static_cast<long>(std::time(nullptr)));
+    bs_.broadcast(name, sizeof(name), 0);
+    shm_ = std::make_unique<bench::ShmBarrier>(bs_, name, env().timeoutMs);
+  }
+
+  void barrier() {
+    if (shm_ != nullptr && o_.barrier == "shm") {
+      shm_->wait();
+    } else {
+      bs_.barrier();
+    }
+  }
+
+  // Exit skew of each barrier: after each of 200 rounds every rank reads CLOCK_MONOTONIC (one clock per node); per
+  // round the spread max - min over ranks; median and p90 printed (and written as one JSON line).
+  void measureSkew() {
+    const int rounds = 200;
+    for (const char* kind : {"tcp", "shm"}) {
+      const bool shm = std::strcmp(kind, "shm") == 0;
+      if (shm && shm_ == nullptr) continue;
+      std::vector<double> t(rounds);
+      for (int i = 0; i < rounds; ++i) {
+        if (shm) {
+          shm_->wait();
+        } else {
+          bs_.barrier();
+        }
+        t[i] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+      }
+      std::vector<double> all(static_cast<size_t>(rounds) * world_);
+      bs_.allGather(t.data(), all.data(), rounds * sizeof(double));
+      std::vector<double> spread(rounds);
+      for (int i = 0; i < rounds; ++i) {
+        double lo = all[i], hi = all[i];
+        for (int r = 1; r < world_; ++r) {
+          lo = std::min(lo, all[static_cast<size_t>(r) * rounds + i]);
+          hi = std::max(hi, all[static_cast<size_t>(r) * rounds + i]);
+        }
+        spread[i] = hi - lo;
+      }
+      std::sort(spread.begin(), spread.end());
+      const double med = spread[rounds / 2], p90 = spread[rounds * 9 / 10];
+      if (rank_ != 0) continue;
+      std::printf("# barrier %s: exit skew between ranks median %.1f us, p90 %.1f us (%d rounds)%s\n", kind, med, p90,
+                  rounds, o_.barrier == kind ? "  <- used for timing" : "");
+      std::fflush(stdout);
+      if (o_.json.empty()) continue;
+      std::ofstream f(o_.json, std::ios::app);
+      f << "{\"bench\":\"epcomm-barrier-skew\",\"barrier\":\"" << kind << "\",\"world\":" << world_
+        << ",\"skew_median_us\":" << jnum(med) << ",\"skew_p90_us\":" << jnum(p90) << ",\"rounds\":" << rounds
+        << ",\"used\":" << (o_.barrier == kind ? "true" : "false") << ",\"rev\":\"" << gitRev(o_) << "\",\"machine\":\""
+        << machine_ << "\"}\n";
+    }
+  }
+
   void sync() {
     if (!hostMode_) BENCH_CUDA(cudaDeviceSynchronize());
-    bs_.barrier();
+    barrier();
   }
 
   // Times `fn` per iteration: barrier + device sync, then events around the call (or a steady clock on the host).
@@ -560,8 +639,10 @@ class Bench {
   }
 
   void printHeader() {
-    std::printf("# epcomm-bench  backend=%s world=%d dp=%d iters=%d warmup=%d rev=%s machine=%s\n", o_.backend.c_str(),
-                world_, o_.dp, o_.iters, o_.warmup, gitRev(o_).c_str(), machine_.c_str());
+    const char* blocks = std::getenv("EPCOMM_NVLINK_BLOCKS");
+    std::printf("# epcomm-bench  backend=%s world=%d dp=%d iters=%d warmup=%d barrier=%s blocks=%s rev=%s machine=%s\n",
+                o_.backend.c_str(), world_, o_.dp, o_.iters, o_.warmup, shm_ != nullptr ? o_.barrier.c_str() : "tcp",
+                blocks != nullptr ? blocks : "auto", gitRev(o_).c_str(), machine_.c_str());
     std::printf(
         "# times in us (median, max over ranks); GB/s = cross-rank payload bytes per rank per direction / time\n");
     std::printf("%-8s %6s %5s | %9s %9s | %8s %8s %8s %8s | %8s %8s | %8s %9s | %8s %8s\n", "config", "tokens", "graph",
@@ -595,12 +676,16 @@ class Bench {
       << ",\"combine_device_us\":" << jnum(m.cDev) << ",\"nccl_us\":" << jnum(m.nccl)
       << ",\"nccl_pplx_us\":" << jnum(m.ncclPplx) << ",\"dispatch_bytes_per_rank\":" << static_cast<uint64_t>(bytes)
       << ",\"pplx_bytes_rank0\":" << bytesPplx << ",\"combine_bytes_rank0\":" << combineBytes
-      << ",\"buffer_bytes\":" << bufBytes << ",\"iters\":" << o_.iters << ",\"warmup\":" << o_.warmup << ",\"rev\":\""
-      << gitRev(o_) << "\",\"machine\":\"" << machine_ << "\",\"date\":\"" << date << "\"}\n";
+      << ",\"buffer_bytes\":" << bufBytes << ",\"barrier\":\"" << (shm_ != nullptr ? o_.barrier : "tcp")
+      << "\",\"nvlink_blocks_env\":\""
+      << (std::getenv("EPCOMM_NVLINK_BLOCKS") ? std::getenv("EPCOMM_NVLINK_BLOCKS") : "") << "\",\"iters\":" << o_.iters
+      << ",\"warmup\":" << o_.warmup << ",\"rev\":\"" << gitRev(o_) << "\",\"machine\":\"" << machine_
+      << "\",\"date\":\"" << date << "\"}\n";
   }
 
   Options o_;
   Bootstrap& bs_;
+  std::unique_ptr<bench::ShmBarrier> shm_;
   int rank_ = 0, world_ = 1;
   bool hostMode_ = false;
   cudaStream_t stream_ = nullptr;

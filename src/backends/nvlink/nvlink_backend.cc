@@ -369,7 +369,7 @@ std::vector<PlannedBuffer> planNvlink(const Config& config) {
   auto add = [&](const char* name, const char* memory, uint64_t bytes, const std::string& note) {
     plan.push_back(PlannedBuffer{"nvlink", name, memory, bytes, note});
   };
-  add("flags", "device (peer-mapped)", g.offNumTokens - g.offFlags, "u64 [3][W] monotone counters");
+  add("flags", "device (peer-mapped)", g.offNumTokens - g.offFlags, "u64 [4][W] monotone counters");
   add("routing counts", "device (peer-mapped)", g.offRoute - g.offNumTokens, "i32 [W] + i32 [W][L]");
   add("routing entries", "device (peer-mapped)", g.offPayload - g.offRoute,
       "{le, pos} [W=" + std::to_string(W) + "][Ts=" + std::to_string(Ts) + "][K=" + std::to_string(K) + "]");

@@ -29,6 +29,14 @@ using device::st16;
 constexpr int kUnroll = 8;
 // Vectors per lane per combine work unit (see combineSendBody).
 constexpr int kChunkU = 4;
+// Expert indices per token that the routing scan keeps in registers (loaded together; more are re-read).
+constexpr int kRegK = 8;
+
+// Flag arrays (index `which` of flagPtr), see nvlink_layout.hpp.
+constexpr int kFlagDispatch = 0;
+constexpr int kFlagCombineEnter = 1;
+constexpr int kFlagCombineDone = 2;
+constexpr int kFlagRoute = 3;
 
 __device__ __forceinline__ uint64_t* flagPtr(char* base, const Geometry& g, int which, uint32_t sender) {
   return reinterpret_cast<uint64_t*>(base + g.offFlags) + which * g.worldSize + sender;
@@ -165,22 +173,32 @@ __device__ void dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
     const uint32_t j = jb + threadIdx.x;
     const bool active = j < n;
     const uint32_t t = j * D + g.rank % D;
+    // The first kRegK indices of the token are loaded together (independent loads in flight, one memory latency
+    // instead of K) and kept in registers for the second pass.
+    int64_t ev[kRegK];
+#pragma unroll
+    for (int k = 0; k < kRegK; ++k) {
+      ev[k] = active && static_cast<uint32_t>(k) < K ? loadIndex(a.indices, a.indexKind, a.indexStrides, t, k) : -1;
+    }
     // A repeated expert finds its own lane bit already set: atomicOr's old value marks it (dupMask, k < 64), so
     // no k^2 re-reading of the token's indices.
     uint64_t dupMask = 0;
-    if (active) {
-#pragma unroll 8
-      for (uint32_t k = 0; k < K; ++k) {
-        int64_t e = loadIndex(a.indices, a.indexKind, a.indexStrides, t, k);
-        if (e < -1 || e >= static_cast<int64_t>(E)) {
-          recordError(a.st, kPhaseBadIndex, static_cast<int32_t>(g.rank), -1, t,
-                      (static_cast<int64_t>(k) << 32) | static_cast<uint32_t>(e));
-          continue;
-        }
-        if (e < 0) continue;
-        const uint32_t old = atomicOr(&bits[warp * E + static_cast<uint32_t>(e)], 1u << lane);
-        if (old & (1u << lane)) dupMask |= 1ull << k;
+    auto mark = [&](uint32_t k, int64_t e) {
+      if (e < -1 || e >= static_cast<int64_t>(E)) {
+        recordError(a.st, kPhaseBadIndex, static_cast<int32_t>(g.rank), -1, t,
+                    (static_cast<int64_t>(k) << 32) | static_cast<uint32_t>(e));
+        return;
       }
+      if (e < 0) return;
+      const uint32_t old = atomicOr(&bits[warp * E + static_cast<uint32_t>(e)], 1u << lane);
+      if (old & (1u << lane)) dupMask |= 1ull << k;
+    };
+    if (active) {
+#pragma unroll
+      for (int k = 0; k < kRegK; ++k) {
+        if (static_cast<uint32_t>(k) < K) mark(k, ev[k]);
+      }
+      for (uint32_t k = kRegK; k < K; ++k) mark(k, loadIndex(a.indices, a.indexKind, a.indexStrides, t, k));
     }
     __syncthreads();
     for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
@@ -192,24 +210,44 @@ __device__ void dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
       running[e] = r;
     }
     __syncthreads();
+    // Entries k0 and k0 + 1 travel as one 16-byte store per receiver when K is even (then 16-byte aligned), else
+    // as two 8-byte stores.
+    const bool pairs = K % 2 == 0;
+    auto emit = [&](uint32_t k0, int64_t e0, int64_t e1) {
+      const int64_t ek[2] = {e0, e1};
+      int32_t le[2] = {-1, -1}, pos[2] = {0, 0};
+      uint32_t owner[2] = {W, W};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t k = k0 + h;
+        if (k < K && ek[h] >= 0 && ek[h] < static_cast<int64_t>(E)) {
+          const uint32_t ue = static_cast<uint32_t>(ek[h]);
+          le[h] = static_cast<int32_t>(ue % L) | ((dupMask >> k) & 1 ? kDupBit : 0);
+          pos[h] = base[warp * E + ue] + __popc(bits[warp * E + ue] & laneMaskLt());
+          owner[h] = ue / L;
+        }
+      }
+      const uint64_t off =
+          g.offRoute + ((static_cast<uint64_t>(g.rank) * g.slotsPerSender + j) * K + k0) * sizeof(RouteEntry);
+      for (uint32_t d = 0; d < W; ++d) {
+        const int4 v{d == owner[0] ? le[0] : -1, d == owner[0] ? pos[0] : 0, d == owner[1] ? le[1] : -1,
+                     d == owner[1] ? pos[1] : 0};
+        if (pairs) {
+          st16(a.peers[d] + off, v);
+        } else {
+          *reinterpret_cast<int2*>(a.peers[d] + off) = make_int2(v.x, v.y);
+          if (k0 + 1 < K) *reinterpret_cast<int2*>(a.peers[d] + off + sizeof(RouteEntry)) = make_int2(v.z, v.w);
+        }
+      }
+    };
     if (active) {
-#pragma unroll 8
-      for (uint32_t k = 0; k < K; ++k) {
-        int64_t e = loadIndex(a.indices, a.indexKind, a.indexStrides, t, k);
-        RouteEntry entry{-1, 0};
-        uint32_t owner = W;
-        if (e >= 0 && e < static_cast<int64_t>(E)) {
-          const uint32_t ue = static_cast<uint32_t>(e);
-          entry.le = static_cast<int32_t>(ue % L) | ((dupMask >> k) & 1 ? kDupBit : 0);
-          entry.pos = base[warp * E + ue] + __popc(bits[warp * E + ue] & laneMaskLt());
-          owner = ue / L;
-        }
-        const RouteEntry none{-1, 0};
-        const uint64_t off =
-            g.offRoute + ((static_cast<uint64_t>(g.rank) * g.slotsPerSender + j) * K + k) * sizeof(RouteEntry);
-        for (uint32_t d = 0; d < W; ++d) {
-          *reinterpret_cast<RouteEntry*>(a.peers[d] + off) = d == owner ? entry : none;
-        }
+#pragma unroll
+      for (int k0 = 0; k0 < kRegK; k0 += 2) {
+        if (static_cast<uint32_t>(k0) < K) emit(k0, ev[k0], ev[k0 + 1]);
+      }
+      for (uint32_t k0 = kRegK; k0 < K; k0 += 2) {
+        emit(k0, loadIndex(a.indices, a.indexKind, a.indexStrides, t, k0),
+             k0 + 1 < K ? loadIndex(a.indices, a.indexKind, a.indexStrides, t, k0 + 1) : -1);
       }
     }
     __syncthreads();
@@ -225,104 +263,235 @@ __device__ void dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
   }
 }
 
-// Copies `units` 16-byte vectors from src to every destination in `dsts` (per-lane offsets held by lanes of
-// `dstMask`), kUnroll vectors per lane in flight.
-__device__ __forceinline__ void copyToMany(const uint8_t* src, uint32_t units, uint32_t dstMask, uint8_t* dstLane,
-                                           bool srcReadOnly) {
-  const uint32_t lane = threadIdx.x % 32;
-  for (uint32_t u0 = 0; u0 < units; u0 += 32 * kUnroll) {
-    int4 v[kUnroll];
-#pragma unroll
-    for (int i = 0; i < kUnroll; ++i) {
-      const uint32_t u = u0 + i * 32 + lane;
-      if (u < units) {
-        v[i] = srcReadOnly ? ldGlobalNc16(src + static_cast<uint64_t>(u) * 16)
-                           : *reinterpret_cast<const int4*>(src + static_cast<uint64_t>(u) * 16);
-      }
-    }
-    for (uint32_t m = dstMask; m != 0; m &= m - 1) {
-      const int b = __ffs(m) - 1;
-      uint8_t* dst = reinterpret_cast<uint8_t*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(dstLane), b));
-#pragma unroll
-      for (int i = 0; i < kUnroll; ++i) {
-        const uint32_t u = u0 + i * 32 + lane;
-        if (u < units) st16(dst + static_cast<uint64_t>(u) * 16, v[i]);
-      }
-    }
-  }
-}
-
-// Send half, payload: one warp per token, the token's bytes and scales cross NVLink once per destination rank.
-__device__ void dispatchPayload(const DispatchKernelArgs& a, uint32_t n, uint32_t warpId, uint32_t numWarps) {
+// Send half, payload. Work unit = (token, piece of 32 * kUnroll vectors), so a decode-sized batch spreads over many
+// warps; each unit issues all its loads (expert indices, payload vectors, scales) before the first store, so a unit
+// costs one memory latency, then its stores go out once per destination *rank*.
+// `destMask`: the ranks this call may store into (the fused kernel leaves its own rank out).
+__device__ void dispatchPayload(const DispatchKernelArgs& a, uint32_t n, uint32_t warpId, uint32_t numWarps,
+                                uint32_t destMask) {
   const Geometry& g = a.g;
   const uint32_t lane = threadIdx.x % 32;
   const uint32_t K = g.topK, L = g.numLocalExperts, D = g.dpSize;
-  for (uint32_t j = warpId; j < n; j += numWarps) {
+  const uint32_t units = g.hiddenBytes / 16, scaleWords = g.scaleBytes / 4;
+  const uint32_t pieces = units == 0 ? 1 : static_cast<uint32_t>(ceilDiv(units, 32 * kUnroll));
+  for (uint32_t wu = warpId; wu < n * pieces; wu += numWarps) {
+    const uint32_t j = wu / pieces, piece = wu % pieces;
     const uint32_t t = j * D + g.rank % D;
+    const uint8_t* src = a.x + static_cast<int64_t>(t) * a.xRowStrideBytes;
+    int64_t e0 = -1;
+    if (lane < K) e0 = loadIndex(a.indices, a.indexKind, a.indexStrides, t, lane);
+    int4 v[kUnroll];
+    const uint32_t u0 = piece * 32 * kUnroll + lane;
+#pragma unroll
+    for (int i = 0; i < kUnroll; ++i) {
+      const uint32_t u = u0 + i * 32;
+      if (u < units) v[i] = ldGlobalNc16(src + static_cast<uint64_t>(u) * 16);
+    }
+    // The last piece also carries the scales (its payload share is the smallest); the first 64 words are loaded
+    // with the payload, any further ones after it.
+    const bool scales = piece == pieces - 1;
+    uint32_t sc[2] = {0, 0};
+    if (scales) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const uint32_t c = lane + 32 * i;
+        if (c < scaleWords) {
+          sc[i] = *reinterpret_cast<const uint32_t*>(a.xScale + static_cast<int64_t>(t) * a.xScaleStrideBytes[0] +
+                                                     static_cast<int64_t>(c) * a.xScaleStrideBytes[1]);
+        }
+      }
+    }
     uint32_t ranks = 0;
-    for (uint32_t k = lane; k < K; k += 32) {
-      int64_t e = loadIndex(a.indices, a.indexKind, a.indexStrides, t, k);
+    if (e0 >= 0 && e0 < static_cast<int64_t>(g.numExperts)) ranks = 1u << (static_cast<uint32_t>(e0) / L);
+    for (uint32_t k = lane + 32; k < K; k += 32) {
+      const int64_t e = loadIndex(a.indices, a.indexKind, a.indexStrides, t, k);
       if (e >= 0 && e < static_cast<int64_t>(g.numExperts)) ranks |= 1u << (static_cast<uint32_t>(e) / L);
     }
-    ranks = __reduce_or_sync(0xffffffffu, ranks);
+    ranks = __reduce_or_sync(0xffffffffu, ranks) & destMask;
     if (ranks == 0) continue;
     const uint64_t slotOff = g.offPayload + (static_cast<uint64_t>(g.rank) * g.slotsPerSender + j) * g.slotBytes;
-    uint8_t* dstLane = lane < g.worldSize ? reinterpret_cast<uint8_t*>(a.peers[lane]) + slotOff : nullptr;
-    copyToMany(a.x + static_cast<int64_t>(t) * a.xRowStrideBytes, g.hiddenBytes / 16, ranks, dstLane, true);
-    for (uint32_t c = lane; c < g.scaleBytes / 4; c += 32) {
-      const uint32_t v =
-          *reinterpret_cast<const uint32_t*>(a.xScale + static_cast<int64_t>(t) * a.xScaleStrideBytes[0] +
-                                             static_cast<int64_t>(c) * a.xScaleStrideBytes[1]);
-      for (uint32_t m = ranks; m != 0; m &= m - 1) {
-        const int d = __ffs(m) - 1;
-        *reinterpret_cast<uint32_t*>(a.peers[d] + slotOff + g.hiddenBytes + c * 4) = v;
+    for (uint32_t m = ranks; m != 0; m &= m - 1) {
+      uint8_t* dst = reinterpret_cast<uint8_t*>(a.peers[__ffs(m) - 1]) + slotOff;
+#pragma unroll
+      for (int i = 0; i < kUnroll; ++i) {
+        const uint32_t u = u0 + i * 32;
+        if (u < units) st16(dst + static_cast<uint64_t>(u) * 16, v[i]);
+      }
+      if (scales) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const uint32_t c = lane + 32 * i;
+          if (c < scaleWords) *reinterpret_cast<uint32_t*>(dst + g.hiddenBytes + c * 4) = sc[i];
+        }
+      }
+    }
+    if (scales) {
+      for (uint32_t c = lane + 64; c < scaleWords; c += 32) {
+        const uint32_t w =
+            *reinterpret_cast<const uint32_t*>(a.xScale + static_cast<int64_t>(t) * a.xScaleStrideBytes[0] +
+                                               static_cast<int64_t>(c) * a.xScaleStrideBytes[1]);
+        for (uint32_t m = ranks; m != 0; m &= m - 1) {
+          *reinterpret_cast<uint32_t*>(a.peers[__ffs(m) - 1] + slotOff + g.hiddenBytes + c * 4) = w;
+        }
       }
     }
   }
 }
 
-// Recv half: expands every received token into its expert rows (HBM to HBM, local).
-__device__ void dispatchExpand(const DispatchKernelArgs& a, int32_t* smem) {
+// Which tokens expandTokens() writes and where it reads them.
+enum ExpandMode : int {
+  kExpandAll = 0,    // every sender's tokens, from the staging slots (recv half of a split dispatch)
+  kExpandOwn = 1,    // this rank's own tokens, straight from x / xScale (fused dispatch: no staging round trip)
+  kExpandPeers = 2,  // the other senders' tokens, from the staging slots (fused dispatch)
+};
+
+// Expands received tokens into their expert rows (HBM to HBM, local). Work unit = (sender, token, piece) as in
+// dispatchPayload; the unit's loads (token count, routing entries, payload vectors, scales) are issued together
+// before its stores. `nOwn`: this rank's token count (kExpandOwn).
+__device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, int mode, uint32_t nOwn, uint32_t warpId,
+                             uint32_t numWarps) {
   const Geometry& g = a.g;
   char* local = a.peers[g.rank];
-  const RowTables rt = computeRows(local, g, smem, a.packed != 0, a.padding);
-  const uint32_t L = g.numLocalExperts, K = g.topK, W = g.worldSize, Ts = g.slotsPerSender;
-  if (blockIdx.x == 0) {
-    for (uint32_t le = threadIdx.x; le < L; le += blockDim.x) a.outNumTokens[le] = rt.total[le];
-  }
+  const uint32_t L = g.numLocalExperts, K = g.topK, W = g.worldSize, Ts = g.slotsPerSender, D = g.dpSize;
   const int32_t* numTokens = reinterpret_cast<const int32_t*>(local + g.offNumTokens);
   const RouteEntry* route = reinterpret_cast<const RouteEntry*>(local + g.offRoute);
   const uint32_t lane = threadIdx.x % 32;
-  const uint32_t warpId = blockIdx.x * kWarps + threadIdx.x / 32, numWarps = gridDim.x * kWarps;
-  for (uint32_t item = warpId; item < W * Ts; item += numWarps) {
-    const uint32_t s = item / Ts, j = item % Ts;
-    if (j >= static_cast<uint32_t>(numTokens[s])) continue;
-    const uint8_t* slot =
-        reinterpret_cast<const uint8_t*>(local + g.offPayload) + (static_cast<uint64_t>(s) * Ts + j) * g.slotBytes;
-    for (uint32_t k0 = 0; k0 < K; k0 += 32) {
-      const uint32_t k = k0 + lane;
-      int64_t rowOff = -1, scaleOff = 0;
-      if (k < K) {
-        const RouteEntry e = route[(static_cast<uint64_t>(s) * Ts + j) * K + k];
-        if (e.le >= 0 && (e.le & kDupBit) == 0) {
-          const int64_t idx = rt.rowBase[e.le] + rt.senderBase[s * L + e.le] + e.pos;
-          rowOff = e.le * a.outExpertStrideBytes + idx * a.outRowStrideBytes;
-          scaleOff = e.le * a.outScaleStrideBytes[0] + idx * a.outScaleStrideBytes[1];
-        }
+  const uint32_t units = g.hiddenBytes / 16, scaleWords = g.scaleBytes / 4;
+  const uint32_t pieces = units == 0 ? 1 : static_cast<uint32_t>(ceilDiv(units, 32 * kUnroll));
+  const uint32_t total = (mode == kExpandOwn ? nOwn : W * Ts) * pieces;
+  for (uint32_t wu = warpId; wu < total; wu += numWarps) {
+    const uint32_t item = wu / pieces, piece = wu % pieces;
+    const uint32_t s = mode == kExpandOwn ? g.rank : item / Ts, j = mode == kExpandOwn ? item : item % Ts;
+    if (mode == kExpandPeers && s == g.rank) continue;
+    const uint8_t* src;
+    const uint8_t* scaleSrc;
+    int64_t scaleStride;
+    if (mode == kExpandOwn) {
+      const int64_t t = static_cast<int64_t>(j) * D + g.rank % D;
+      src = a.x + t * a.xRowStrideBytes;
+      scaleSrc = a.xScale + t * a.xScaleStrideBytes[0];
+      scaleStride = a.xScaleStrideBytes[1];
+    } else {
+      src = reinterpret_cast<const uint8_t*>(local + g.offPayload) + (static_cast<uint64_t>(s) * Ts + j) * g.slotBytes;
+      scaleSrc = src + g.hiddenBytes;
+      scaleStride = 4;
+    }
+    const int32_t n = mode == kExpandOwn ? static_cast<int32_t>(nOwn) : numTokens[s];
+    RouteEntry e0{-1, 0};
+    if (lane < K) e0 = route[(static_cast<uint64_t>(s) * Ts + j) * K + lane];
+    int4 v[kUnroll];
+    const uint32_t u0 = piece * 32 * kUnroll + lane;
+#pragma unroll
+    for (int i = 0; i < kUnroll; ++i) {
+      const uint32_t u = u0 + i * 32;
+      if (u < units) v[i] = *reinterpret_cast<const int4*>(src + static_cast<uint64_t>(u) * 16);
+    }
+    const bool scales = piece == pieces - 1;
+    uint32_t sc[2] = {0, 0};
+    if (scales) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const uint32_t c = lane + 32 * i;
+        if (c < scaleWords) sc[i] = *reinterpret_cast<const uint32_t*>(scaleSrc + c * scaleStride);
       }
-      const uint32_t rows = __ballot_sync(0xffffffffu, rowOff >= 0);
-      if (rows == 0) continue;
-      copyToMany(slot, g.hiddenBytes / 16, rows, rowOff >= 0 ? a.outX + rowOff : nullptr, false);
-      for (uint32_t m = rows; m != 0; m &= m - 1) {
+    }
+    if (j >= static_cast<uint32_t>(n)) continue;
+    for (uint32_t k0 = 0; k0 < K; k0 += 32) {
+      const RouteEntry e = k0 == 0         ? e0
+                           : k0 + lane < K ? route[(static_cast<uint64_t>(s) * Ts + j) * K + k0 + lane]
+                                           : RouteEntry{-1, 0};
+      int64_t rowOff = -1, scaleOff = 0;
+      if (e.le >= 0 && (e.le & kDupBit) == 0) {
+        const int64_t idx = rt.rowBase[e.le] + rt.senderBase[s * L + e.le] + e.pos;
+        rowOff = e.le * a.outExpertStrideBytes + idx * a.outRowStrideBytes;
+        scaleOff = e.le * a.outScaleStrideBytes[0] + idx * a.outScaleStrideBytes[1];
+      }
+      for (uint32_t m = __ballot_sync(0xffffffffu, rowOff >= 0); m != 0; m &= m - 1) {
         const int b = __ffs(m) - 1;
-        const int64_t so = __shfl_sync(0xffffffffu, scaleOff, b);
-        for (uint32_t c = lane; c < g.scaleBytes / 4; c += 32) {
-          *reinterpret_cast<uint32_t*>(a.outScale + so + c * a.outScaleStrideBytes[2]) =
-              *reinterpret_cast<const uint32_t*>(slot + g.hiddenBytes + c * 4);
+        uint8_t* dst = a.outX + __shfl_sync(0xffffffffu, rowOff, b);
+#pragma unroll
+        for (int i = 0; i < kUnroll; ++i) {
+          const uint32_t u = u0 + i * 32;
+          if (u < units) st16(dst + static_cast<uint64_t>(u) * 16, v[i]);
+        }
+        if (scales) {
+          const int64_t so = __shfl_sync(0xffffffffu, scaleOff, b);
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const uint32_t c = lane + 32 * i;
+            if (c < scaleWords) *reinterpret_cast<uint32_t*>(a.outScale + so + c * a.outScaleStrideBytes[2]) = sc[i];
+          }
+          for (uint32_t c = lane + 64; c < scaleWords; c += 32) {
+            *reinterpret_cast<uint32_t*>(a.outScale + so + c * a.outScaleStrideBytes[2]) =
+                *reinterpret_cast<const uint32_t*>(scaleSrc + c * scaleStride);
+          }
         }
       }
     }
   }
+}
+
+// Block-wide: waits for flag `which` of every rank in `mask` to reach `expected`. False (in every thread) on failure.
+__device__ bool waitRanks(char* local, const Geometry& g, int which, uint32_t mask, uint64_t expected,
+                          const DeviceState& st, int32_t phase) {
+  bool ok = true;
+  if (threadIdx.x < g.worldSize && ((mask >> threadIdx.x) & 1)) {
+    ok = waitFlag(flagPtr(local, g, which, threadIdx.x), expected, st, phase, static_cast<int32_t>(g.rank),
+                  static_cast<int32_t>(threadIdx.x));
+  }
+  return __syncthreads_and(ok ? 1 : 0) != 0;
+}
+
+// Thread 0 of block 0, after the routing scan: the routing entries and counts are in every receiver.
+__device__ void signalRoutes(char* const* peers, const Geometry& g) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    fenceAcqRelSys();
+    for (uint32_t d = 0; d < g.worldSize; ++d) redAddReleaseSys(flagPtr(peers[d], g, kFlagRoute, g.rank), 1);
+  }
+}
+
+// Fused dispatch with roles, so this rank's own tokens never wait for NVLink:
+//   block 0               routing scan, signals "routes" then "dispatch" to every rank;
+//   blocks [1, 1 + P)     copy this rank's tokens to the *other* ranks' staging, signal "dispatch";
+//   blocks [1 + P, B)     signal "dispatch" at once (they store nothing into peers), wait for every rank's routes,
+//                         expand this rank's own tokens straight from x (HBM to HBM, overlapping the NVLink copy);
+//   then every block      waits for the other ranks' "dispatch" flags and expands their tokens from staging.
+// Own staging slots are not written (nothing else reads them).
+__device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32_t n, uint32_t round,
+                              uint32_t payloadBlocks) {
+  const Geometry& g = a.g;
+  const uint32_t W = g.worldSize, B = gridDim.x;
+  char* local = a.peers[g.rank];
+  const uint32_t firstLocal = 1 + payloadBlocks;
+  const uint32_t allRanks = W >= 32 ? 0xffffffffu : (1u << W) - 1;
+  const uint32_t peerRanks = allRanks & ~(1u << g.rank);
+  if (blockIdx.x == 0) {
+    dispatchRouting(a, n, smem);
+    signalRoutes(a.peers, g);
+    signalAllRanks(a.peers, g, kFlagDispatch);
+  } else if (blockIdx.x < firstLocal) {
+    dispatchPayload(a, n, (blockIdx.x - 1) * kWarps + threadIdx.x / 32, payloadBlocks * kWarps, peerRanks);
+    signalAllRanks(a.peers, g, kFlagDispatch);
+  } else {
+    signalAllRanks(a.peers, g, kFlagDispatch);
+    if (!waitRanks(local, g, kFlagRoute, allRanks, round, a.st, kPhaseDispatchRecv)) return;
+    const RowTables rt = computeRows(local, g, smem, a.packed != 0, a.padding);
+    if (blockIdx.x == firstLocal) {
+      for (uint32_t le = threadIdx.x; le < g.numLocalExperts; le += blockDim.x) a.outNumTokens[le] = rt.total[le];
+    }
+    expandTokens(a, rt, kExpandOwn, n, (blockIdx.x - firstLocal) * kWarps + threadIdx.x / 32,
+                 (B - firstLocal) * kWarps);
+  }
+  if (peerRanks == 0) return;
+  if (!waitRanks(local, g, kFlagRoute, allRanks, round, a.st, kPhaseDispatchRecv)) return;
+  if (!waitRanks(local, g, kFlagDispatch, peerRanks, static_cast<uint64_t>(round) * g.blocks, a.st,
+                 kPhaseDispatchRecv)) {
+    return;
+  }
+  __syncthreads();  // the own-token expansion's smem row tables are rebuilt below
+  const RowTables rt = computeRows(local, g, smem, a.packed != 0, a.padding);
+  expandTokens(a, rt, kExpandPeers, n, blockIdx.x * kWarps + threadIdx.x / 32, B * kWarps);
 }
 
 template <bool kSend, bool kRecv>
@@ -331,24 +500,49 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
   if (aborted(a.st)) return;
   const Geometry& g = a.g;
   const uint32_t B = gridDim.x;
+  if constexpr (kSend && kRecv) {
+    // Roles need a payload block (when there are peers) and an own-expansion block besides block 0.
+    const uint32_t payloadBlocks = g.worldSize > 1 ? (B - 1) / 2 : 0;
+    if (B >= 3 || (g.worldSize == 1 && B >= 2)) {
+      const uint32_t seqSend = a.st.seq[kSeqDispatchSend * B + blockIdx.x];
+      const uint32_t round = a.st.seq[kSeqDispatchRecv * B + blockIdx.x] + 1;
+      const uint32_t n = numTokensSentBy(g.rank, effectiveBound(a.boundM, a.m), g.dpSize);
+      fusedDispatch(a, smem, n, round, payloadBlocks);
+      __syncthreads();
+      if (threadIdx.x == 0 && !aborted(a.st)) {
+        a.st.seq[kSeqDispatchSend * B + blockIdx.x] = seqSend + 1;
+        a.st.seq[kSeqDispatchRecv * B + blockIdx.x] = round;
+      }
+      return;
+    }
+  }
   if constexpr (kSend) {
     const uint32_t seq = a.st.seq[kSeqDispatchSend * B + blockIdx.x];
     const uint32_t n = numTokensSentBy(g.rank, effectiveBound(a.boundM, a.m), g.dpSize);
-    if (blockIdx.x == 0) dispatchRouting(a, n, smem);
+    const uint32_t all = g.worldSize >= 32 ? 0xffffffffu : (1u << g.worldSize) - 1;
+    if (blockIdx.x == 0) {
+      dispatchRouting(a, n, smem);
+      signalRoutes(a.peers, g);
+    }
     if (blockIdx.x != 0 || B == 1) {
       const uint32_t payloadBlocks = B == 1 ? 1 : B - 1;
       const uint32_t blk = B == 1 ? 0 : blockIdx.x - 1;
-      dispatchPayload(a, n, blk * kWarps + threadIdx.x / 32, payloadBlocks * kWarps);
+      dispatchPayload(a, n, blk * kWarps + threadIdx.x / 32, payloadBlocks * kWarps, all);
     }
-    signalAllRanks(a.peers, g, 0);
+    signalAllRanks(a.peers, g, kFlagDispatch);
     if (threadIdx.x == 0) a.st.seq[kSeqDispatchSend * B + blockIdx.x] = seq + 1;
   }
   if constexpr (kRecv) {
     const uint32_t seq = a.st.seq[kSeqDispatchRecv * B + blockIdx.x] + 1;
-    if (!waitAllRanks(a.peers[g.rank], g, 0, static_cast<uint64_t>(seq) * g.blocks, a.st, kPhaseDispatchRecv)) {
+    if (!waitAllRanks(a.peers[g.rank], g, kFlagDispatch, static_cast<uint64_t>(seq) * g.blocks, a.st,
+                      kPhaseDispatchRecv)) {
       return;
     }
-    dispatchExpand(a, smem);
+    const RowTables rt = computeRows(a.peers[g.rank], g, smem, a.packed != 0, a.padding);
+    if (blockIdx.x == 0) {
+      for (uint32_t le = threadIdx.x; le < g.numLocalExperts; le += blockDim.x) a.outNumTokens[le] = rt.total[le];
+    }
+    expandTokens(a, rt, kExpandAll, 0, blockIdx.x * kWarps + threadIdx.x / 32, B * kWarps);
     __syncthreads();
     if (threadIdx.x == 0) a.st.seq[kSeqDispatchRecv * B + blockIdx.x] = seq;
   }
@@ -389,6 +583,12 @@ __device__ __forceinline__ void loadF(const T* p, float* out) {
 }
 
 template <typename T, int N>
+__device__ __forceinline__ void toF(const Vec<T, N>& x, float* out) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = Elem<T>::toF(x.v[i]);
+}
+
+template <typename T, int N>
 __device__ __forceinline__ void storeF(T* p, const float* in) {
   Vec<T, N> x;
 #pragma unroll
@@ -418,8 +618,10 @@ __device__ void combineSendBody(const CombineKernelArgs& a, int32_t* smem) {
   // 7168-element row with one load in flight measured ~100 us for decode).
   const uint32_t chunks = static_cast<uint32_t>(ceilDiv(units, 32 * kChunkU));
   for (uint32_t wu = warpId; wu < W * Ts * chunks; wu += numWarps) {
+    // Senders vary fastest: at any moment the warps mix partials bound for this rank (HBM) with partials bound for
+    // peers (NVLink), so the two kinds of traffic overlap instead of running one after the other.
     const uint32_t item = wu / chunks, chunk = wu % chunks;
-    const uint32_t s = item / Ts, j = item % Ts;
+    const uint32_t s = item % W, j = item / W;
     if (j >= static_cast<uint32_t>(numTokens[s])) continue;
     const uint32_t t = j * D + s % D;
     const uint32_t group0 = (s / D) * D;
@@ -454,21 +656,45 @@ __device__ void combineSendBody(const CombineKernelArgs& a, int32_t* smem) {
       for (int i = 0; i < N; ++i) acc[c][i] = 0.f;
     }
     const uint32_t u0 = chunk * 32 * kChunkU + lane;
+    // Two expert rows per step: 2 * kChunkU independent loads in flight per lane, then the FMAs in k order (the same
+    // operations in the same order as one row at a time, so results are unchanged bit for bit).
     for (uint32_t h = 0; h < 2; ++h) {
-      for (uint32_t m = valid[h]; m != 0; m &= m - 1) {
-        const int b = __ffs(m) - 1;
-        const int64_t off = __shfl_sync(0xffffffffu, yOff[h], b);
-        const float wk = __shfl_sync(0xffffffffu, w[h], b);
-        float yv[kChunkU][N];
+      for (uint32_t m = valid[h]; m != 0;) {
+        const int b1 = __ffs(m) - 1;
+        m &= m - 1;
+        const bool two = m != 0;
+        const int b2 = two ? __ffs(m) - 1 : b1;
+        if (two) m &= m - 1;
+        const int64_t off1 = __shfl_sync(0xffffffffu, yOff[h], b1), off2 = __shfl_sync(0xffffffffu, yOff[h], b2);
+        const float w1 = __shfl_sync(0xffffffffu, w[h], b1), w2 = __shfl_sync(0xffffffffu, w[h], b2);
+        Vec<PT, N> r1[kChunkU], r2[kChunkU];
 #pragma unroll
         for (int c = 0; c < kChunkU; ++c) {
           const uint32_t u = u0 + c * 32;
-          if (u < units) loadF<PT, N>(y + off + static_cast<int64_t>(u) * N, yv[c]);
+          if (u < units) r1[c] = *reinterpret_cast<const Vec<PT, N>*>(y + off1 + static_cast<int64_t>(u) * N);
+        }
+        if (two) {
+#pragma unroll
+          for (int c = 0; c < kChunkU; ++c) {
+            const uint32_t u = u0 + c * 32;
+            if (u < units) r2[c] = *reinterpret_cast<const Vec<PT, N>*>(y + off2 + static_cast<int64_t>(u) * N);
+          }
         }
 #pragma unroll
         for (int c = 0; c < kChunkU; ++c) {
+          float yv[N];
+          toF<PT, N>(r1[c], yv);
 #pragma unroll
-          for (int i = 0; i < N; ++i) acc[c][i] = fmaf(wk, yv[c][i], acc[c][i]);
+          for (int i = 0; i < N; ++i) acc[c][i] = fmaf(w1, yv[i], acc[c][i]);
+        }
+        if (two) {
+#pragma unroll
+          for (int c = 0; c < kChunkU; ++c) {
+            float yv[N];
+            toF<PT, N>(r2[c], yv);
+#pragma unroll
+            for (int i = 0; i < N; ++i) acc[c][i] = fmaf(w2, yv[i], acc[c][i]);
+          }
         }
       }
     }
@@ -561,20 +787,21 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(const CombineKernel
         const uint64_t off = g.offWeights + ((static_cast<uint64_t>(g.rank) * g.slotsPerSender + j) * K + k) * 4;
         for (uint32_t d = 0; d < g.worldSize; ++d) *reinterpret_cast<float*>(a.peers[d] + off) = w;
       }
-      signalAllRanks(a.peers, g, 1);
+      signalAllRanks(a.peers, g, kFlagCombineEnter);
     }
-    if (!waitAllRanks(a.peers[g.rank], g, 1, seq, a.st, kPhaseCombineEnter)) return;
+    if (!waitAllRanks(a.peers[g.rank], g, kFlagCombineEnter, seq, a.st, kPhaseCombineEnter)) return;
     if (wide) {
       combineSendBody<PT, 8>(a, smem);
     } else {
       combineSendBody<PT, 4>(a, smem);
     }
-    signalAllRanks(a.peers, g, 2);
+    signalAllRanks(a.peers, g, kFlagCombineDone);
     if (threadIdx.x == 0) a.st.seq[kSeqCombineSend * B + blockIdx.x] = seq;
   }
   if constexpr (kRecv) {
     const uint32_t seq = a.st.seq[kSeqCombineRecv * B + blockIdx.x] + 1;
-    if (!waitAllRanks(a.peers[g.rank], g, 2, static_cast<uint64_t>(seq) * g.blocks, a.st, kPhaseCombineRecv)) {
+    if (!waitAllRanks(a.peers[g.rank], g, kFlagCombineDone, static_cast<uint64_t>(seq) * g.blocks, a.st,
+                      kPhaseCombineRecv)) {
       return;
     }
     if (wide) {

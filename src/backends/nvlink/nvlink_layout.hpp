@@ -25,9 +25,14 @@ struct RouteEntry {
 };
 constexpr int32_t kDupBit = 0x40000000;
 
+/// Flag arrays per region (see Geometry): dispatch, combine-enter, combine-done, route.
+constexpr uint32_t kNumFlags = 4;
+
 /// Byte offsets and sizes inside one rank's peer-mapped region. All offsets are 256-byte aligned.
 ///
-///   flags       u64 dispatchFlag[W], combineEnterFlag[W], combineDoneFlag[W]   (monotone counters, never reset)
+///   flags       u64 dispatchFlag[W], combineEnterFlag[W], combineDoneFlag[W], routeFlag[W]
+///               (monotone counters, never reset; routeFlag: one increment per round when the sender's routing
+///               entries and counts are in place)
 ///   numTokens   i32 [W]                 tokens sender s sent this round (its n_s)
 ///   counts      i32 [W][L]              tokens sender s routed to each local expert
 ///   route       RouteEntry [W][Ts][K]   per sent token: its K entries as seen from this rank
@@ -69,7 +74,7 @@ inline Geometry makeGeometry(const Config& c, uint32_t blocks) {
   const uint64_t W = c.worldSize, Ts = g.slotsPerSender, K = c.expertsPerToken;
   uint64_t off = 0;
   g.offFlags = off;
-  off = align256(off + 3 * W * sizeof(uint64_t));
+  off = align256(off + kNumFlags * W * sizeof(uint64_t));
   g.offNumTokens = off;
   off = align256(off + W * sizeof(int32_t));
   g.offCounts = off;
