@@ -742,21 +742,48 @@ __device__ void combineRecvBody(const CombineKernelArgs& a) {
         for (int i = 0; i < N; ++i) acc[c][i] = 0.f;
       }
     }
-    // Expert ranks in ascending order: a fixed summation order, so results are bitwise reproducible.
-    for (uint32_t m = ranks; m != 0; m &= m - 1) {
-      const int e = __ffs(m) - 1;
-      const PT* p = reinterpret_cast<const PT*>(local + g.offPartials +
-                                                (static_cast<uint64_t>(e) * g.maxTokens + t) * g.partialBytes);
-      float pv[kChunkU][N];
+    // Expert ranks in ascending order: a fixed summation order, so results are bitwise reproducible. Two ranks'
+    // partials are loaded per step (2 * kChunkU loads in flight per lane), then added in that order.
+    auto partialOf = [&](int e) {
+      return reinterpret_cast<const PT*>(local + g.offPartials +
+                                         (static_cast<uint64_t>(e) * g.maxTokens + t) * g.partialBytes);
+    };
+    for (uint32_t m = ranks; m != 0;) {
+      const int e1 = __ffs(m) - 1;
+      m &= m - 1;
+      const bool two = m != 0;
+      const int e2 = two ? __ffs(m) - 1 : e1;
+      if (two) m &= m - 1;
+      const PT* p1 = partialOf(e1);
+      const PT* p2 = partialOf(e2);
+      Vec<PT, N> r1[kChunkU], r2[kChunkU];
 #pragma unroll
       for (int c = 0; c < kChunkU; ++c) {
         const uint32_t u = u0 + c * 32;
-        if (u < units) loadF<PT, N>(p + static_cast<uint64_t>(u) * N, pv[c]);
+        if (u < units) r1[c] = *reinterpret_cast<const Vec<PT, N>*>(p1 + static_cast<uint64_t>(u) * N);
+      }
+      if (two) {
+#pragma unroll
+        for (int c = 0; c < kChunkU; ++c) {
+          const uint32_t u = u0 + c * 32;
+          if (u < units) r2[c] = *reinterpret_cast<const Vec<PT, N>*>(p2 + static_cast<uint64_t>(u) * N);
+        }
       }
 #pragma unroll
       for (int c = 0; c < kChunkU; ++c) {
+        float pv[N];
+        toF<PT, N>(r1[c], pv);
 #pragma unroll
-        for (int i = 0; i < N; ++i) acc[c][i] += pv[c][i];
+        for (int i = 0; i < N; ++i) acc[c][i] += pv[i];
+      }
+      if (two) {
+#pragma unroll
+        for (int c = 0; c < kChunkU; ++c) {
+          float pv[N];
+          toF<PT, N>(r2[c], pv);
+#pragma unroll
+          for (int i = 0; i < N; ++i) acc[c][i] += pv[i];
+        }
       }
     }
 #pragma unroll
