@@ -14,15 +14,54 @@
 #include <thread>
 #include <vector>
 
+#include "epcomm/bootstrap.hpp"
 #include "epcomm/error.hpp"
 #include "epcomm/fabric/transfer_engine.hpp"
-#include "fabric/fork_group.hpp"
+#include "support/multiprocess.hpp"
 
 namespace epcomm {
 namespace fabric {
 namespace {
 
-namespace fg = forkgroup;
+// The ranks are real processes forked by tests/support/multiprocess.hpp, joined by the TCP bootstrap; this adapter
+// adds variable-size blobs (engine addresses differ in length between processes on shm) and named barriers.
+namespace fg {
+class Comm {
+ public:
+  explicit Comm(Bootstrap& b) : b_(b) {}
+  int rank() const { return b_.rank(); }
+  int world() const { return b_.worldSize(); }
+  void barrier(const char* = "barrier") { b_.barrier(); }
+  std::vector<std::vector<uint8_t>> allGather(const std::vector<uint8_t>& mine) {
+    uint64_t len = mine.size();
+    std::vector<uint64_t> lens(world());
+    b_.allGather(&len, lens.data(), sizeof(len));
+    const uint64_t maxLen = std::max<uint64_t>(1, *std::max_element(lens.begin(), lens.end()));
+    std::vector<uint8_t> padded(maxLen, 0), all(maxLen * world());
+    std::copy(mine.begin(), mine.end(), padded.begin());
+    b_.allGather(padded.data(), all.data(), maxLen);
+    std::vector<std::vector<uint8_t>> out(world());
+    for (int r = 0; r < world(); ++r) out[r].assign(all.begin() + r * maxLen, all.begin() + r * maxLen + lens[r]);
+    return out;
+  }
+
+ private:
+  Bootstrap& b_;
+};
+
+std::vector<test::RankOutcome> run(int world, const std::function<void(Comm&)>& body) {
+  test::RunOptions opts;
+  opts.deadlineMs = 150000;
+  test::RunResult res = test::runRanks(
+      world,
+      [&](int, Bootstrap& b) {
+        Comm comm(b);
+        body(comm);
+      },
+      opts);
+  return res.ranks;
+}
+}  // namespace fg
 
 // Assertion inside a forked rank: throws, and the harness reports the message with the rank.
 #define FCHECK(cond, msg)                                                                   \
@@ -41,13 +80,11 @@ void fill(uint8_t* p, uint64_t n, int rank) {
 }
 
 // Reports every rank's failure (a killed rank in `mayDie` is expected).
-void expectRanks(const std::vector<fg::Result>& results, std::vector<int> mayDie = {}) {
-  for (const fg::Result& r : results) {
+void expectRanks(const std::vector<test::RankOutcome>& results, std::vector<int> mayDie = {}) {
+  for (const test::RankOutcome& r : results) {
     bool allowed = std::find(mayDie.begin(), mayDie.end(), r.rank) != mayDie.end();
     if (allowed && !r.exited && r.signal == SIGKILL) continue;
-    EXPECT_TRUE(r.ok()) << "rank " << r.rank << (r.timedOut ? " timed out" : "")
-                        << (r.signal ? " killed by signal " + std::to_string(r.signal) : "")
-                        << " exit " << r.exitCode << ": " << r.error;
+    EXPECT_TRUE(r.ok()) << r.describe();
   }
 }
 
@@ -635,7 +672,7 @@ TEST(VerbsEngine, WriteEverySizeTwoProcesses) {
     }
   });
   if (!probe[0].ok()) {
-    const std::string& err = probe[0].error;
+    const std::string& err = probe[0].message;
     auto pos = err.find("UNAVAILABLE ");
     if (pos != std::string::npos) GTEST_SKIP() << err.substr(pos + 12);
     FAIL() << "creating the verbs engine failed: " << err;
