@@ -37,13 +37,17 @@ namespace {
 using nvlink::Geometry;
 
 // Blocks per kernel. NOTE: all ranks must agree (a receiver counts B signals per sender per round); the value is
-// checked across ranks at setup. Small batches are latency-bound: fewer blocks mean fewer flag increments to
-// wait for; large batches need most SMs to reach NVLink bandwidth.
+// checked across ranks at setup. Even decode moves megabytes through HBM on the receiver (expansion ~7.6 MB of
+// writes, combine-send ~15 MB of expertY reads) and one SM keeps too few loads in flight to move more than a few tens
+// of GB/s, so more SMs help; the flags are counters, so more blocks cost only more increments (one per block).
+// But a fused kernel needs all its blocks co-resident (one block per SM: 512 threads x ~100 registers), and two
+// objects in flight on two streams need the sum of their blocks <= SMs or they can wait on each other until the
+// timeout: small batches (<= 512 tokens) therefore take half the SMs, large ones all. docs/nvlink.md has the sweep.
 uint32_t chooseBlocks(const Config& c, int smCount) {
   if (env().nvlinkBlocks > 0) return static_cast<uint32_t>(std::min(env().nvlinkBlocks, smCount));
   const uint64_t tokens = static_cast<uint64_t>(c.maxNumTokens) * c.numDpGroups();
-  uint32_t b = tokens <= 512 ? 32 : static_cast<uint32_t>(smCount);
-  return std::max<uint32_t>(1, std::min<uint32_t>(b, static_cast<uint32_t>(smCount)));
+  const int b = tokens <= 512 ? smCount / 2 : smCount;
+  return static_cast<uint32_t>(std::max(1, b));
 }
 
 int combineType(DType t) {
