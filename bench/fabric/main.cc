@@ -142,8 +142,8 @@ void runEngine(const Args& a, const std::string& provider, const std::string& ou
       Row lat{"epcomm-fabric-bench", prov, "pingpong", size, iters, us / (2.0 * iters), 0};
       lat.gbps = size * 8.0 / (lat.latencyUs * 1e3);
       // Bandwidth: `inflight` writes outstanding, the receiver counts immediates and acknowledges the last.
-      const uint64_t n = std::max<uint64_t>(static_cast<uint64_t>(a.inflight) * 2,
-                                            itersFor(size, a.secondsPerPoint, 2.0));
+      const uint64_t n =
+          std::max<uint64_t>(static_cast<uint64_t>(a.inflight) * 2, itersFor(size, a.secondsPerPoint, 2.0));
       comm.barrier();
       t0 = std::chrono::steady_clock::now();
       if (comm.rank() == 0) {
@@ -179,15 +179,15 @@ void runEngine(const Args& a, const std::string& provider, const std::string& ou
     }
   });
   for (const auto& r : results) {
-    if (!r.ok()) std::fprintf(stderr, "epcomm-fabric-bench: %s rank %d failed: %s\n", provider.c_str(), r.rank,
-                              r.error.c_str());
+    if (!r.ok())
+      std::fprintf(stderr, "epcomm-fabric-bench: %s rank %d failed: %s\n", provider.c_str(), r.rank, r.error.c_str());
   }
 }
 
 // fi_pingpong on the same provider and size; parses "bytes #sent #ack total time MB/sec usec/xfer Mxfers/sec".
 bool runPingpong(const std::string& provider, uint64_t size, uint64_t iters, int port, Row* row) {
-  std::string common = "fi_pingpong -p '" + provider + "' -e rdm -I " + std::to_string(iters) + " -S " +
-                       std::to_string(size) + " ";
+  std::string common =
+      "fi_pingpong -p '" + provider + "' -e rdm -I " + std::to_string(iters) + " -S " + std::to_string(size) + " ";
   std::string server = "timeout 120 " + common + "-B " + std::to_string(port) + " >/dev/null 2>&1 &";
   if (std::system(server.c_str()) != 0) return false;
   usleep(300000);

@@ -41,9 +41,9 @@ void checkHostRange(const void* data, size_t bytes) {
   uintptr_t end = (start + bytes + page - 1) & ~(page - 1);
   std::vector<unsigned char> residency((end - first) / page);
   if (mincore(reinterpret_cast<void*>(first), end - first, residency.data()) != 0) {
-    EPCOMM_THROW(kInvalidArgument, "registerMemory: range [" << data << ", +" << bytes
-                                                             << ") is not mapped in this process (mincore: "
-                                                             << std::strerror(errno) << ")");
+    EPCOMM_THROW(kInvalidArgument, "registerMemory: range ["
+                                       << data << ", +" << bytes
+                                       << ") is not mapped in this process (mincore: " << std::strerror(errno) << ")");
   }
 }
 
@@ -250,19 +250,27 @@ void EngineBase::waitImm(uint32_t imm, uint64_t count, const std::string& what) 
     auto it = immMap_.find(imm);
     return it == immMap_.end() ? 0 : it->second;
   };
-  waitUntil([&] { return load() >= raw; },
-            [&]() -> std::string {
-              std::ostringstream oss;
-              oss << "waitImm(" << what << "): immediate " << imm << " arrived " << load() / piecesPerImm_ << " of "
-                  << count << " times";
-              return oss.str();
-            });
-  if (imm < kDirectImms) {
-    immDirect_[imm].fetch_sub(raw, std::memory_order_acq_rel);
-  } else {
+  // Take the count atomically so two threads waiting on one value cannot both consume the same arrivals.
+  auto take = [&]() -> bool {
+    if (imm < kDirectImms) {
+      uint64_t cur = immDirect_[imm].load(std::memory_order_acquire);
+      while (cur >= raw) {
+        if (immDirect_[imm].compare_exchange_weak(cur, cur - raw, std::memory_order_acq_rel)) return true;
+      }
+      return false;
+    }
     std::lock_guard<std::mutex> lock(immMapMu_);
-    immMap_[imm] -= raw;
-  }
+    uint64_t& cur = immMap_[imm];
+    if (cur < raw) return false;
+    cur -= raw;
+    return true;
+  };
+  waitUntil(take, [&]() -> std::string {
+    std::ostringstream oss;
+    oss << "waitImm(" << what << "): immediate " << imm << " arrived " << load() / piecesPerImm_ << " of " << count
+        << " times";
+    return oss.str();
+  });
 }
 
 void EngineBase::waitCounter(const std::atomic<uint64_t>& counter, uint64_t target, const std::string& what) {
@@ -467,8 +475,8 @@ void EngineBase::barrier(GroupId group, uint32_t imm, Completion done) {
 
 void EngineBase::pagedWrite(PeerId peer, const MemoryRegion& src, uint64_t srcOffset, uint64_t srcStride,
                             const std::vector<uint32_t>& srcPages, const MemoryDesc& dst, uint64_t dstOffset,
-                            uint64_t dstStride, const std::vector<uint32_t>& dstPages, uint64_t pageBytes,
-                            bool withImm, uint32_t imm, Completion done) {
+                            uint64_t dstStride, const std::vector<uint32_t>& dstPages, uint64_t pageBytes, bool withImm,
+                            uint32_t imm, Completion done) {
   EPCOMM_CHECK(srcPages.size() == dstPages.size(), kInvalidArgument,
                "pagedWrite: " << srcPages.size() << " source pages but " << dstPages.size() << " destination pages");
   Target t = makeTarget(peer, dst);

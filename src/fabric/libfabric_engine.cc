@@ -35,13 +35,13 @@ constexpr int64_t kSweepPeriodMs = 20;
 
 std::string fiErr(int rc) { return std::string(fi_strerror(rc < 0 ? -rc : rc)); }
 
-#define EPCOMM_CHECK_FI(call, what)                                                                         \
-  do {                                                                                                      \
-    int epcomm_rc_ = static_cast<int>(call);                                                                \
-    if (epcomm_rc_ != 0) {                                                                                  \
-      EPCOMM_THROW(kFabric, what << " failed (provider " << prov_ << "): " << fiErr(epcomm_rc_) << " (" \
-                                 << epcomm_rc_ << ")");                                                     \
-    }                                                                                                       \
+#define EPCOMM_CHECK_FI(call, what)                                                                                   \
+  do {                                                                                                                \
+    int epcomm_rc_ = static_cast<int>(call);                                                                          \
+    if (epcomm_rc_ != 0) {                                                                                            \
+      EPCOMM_THROW(kFabric,                                                                                           \
+                   what << " failed (provider " << prov_ << "): " << fiErr(epcomm_rc_) << " (" << epcomm_rc_ << ")"); \
+    }                                                                                                                 \
   } while (0)
 
 }  // namespace
@@ -162,8 +162,8 @@ fi_info* LibfabricEngine::getInfo(const std::string& prov, bool hmem, bool order
   hints->caps = FI_MSG | FI_RMA | FI_SEND | FI_RECV | FI_WRITE | FI_REMOTE_WRITE | (hmem ? FI_HMEM : 0);
   hints->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
   hints->ep_attr->type = FI_EP_RDM;
-  hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT |
-                                (hmem ? FI_MR_HMEM : 0);
+  hints->domain_attr->mr_mode =
+      FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT | (hmem ? FI_MR_HMEM : 0);
   hints->domain_attr->threading = FI_THREAD_DOMAIN;
   hints->domain_attr->av_type = FI_AV_TABLE;
   if (ordered) {
@@ -303,8 +303,7 @@ void LibfabricEngine::openNic(FiNic& n, fi_info* info) {
   EPCOMM_CHECK_FI(fi_enable(n.ep), "fi_enable");
   size_t len = 0;
   int rc = fi_getname(&n.ep->fid, nullptr, &len);
-  EPCOMM_CHECK(rc == -FI_ETOOSMALL || rc == 0, kFabric,
-               "fi_getname failed (provider " << prov_ << "): " << fiErr(rc));
+  EPCOMM_CHECK(rc == -FI_ETOOSMALL || rc == 0, kFabric, "fi_getname failed (provider " << prov_ << "): " << fiErr(rc));
   n.name.resize(len);
   EPCOMM_CHECK_FI(fi_getname(&n.ep->fid, n.name.data(), &len), "fi_getname");
   n.name.resize(len);
@@ -431,8 +430,9 @@ PeerId LibfabricEngine::addPeer(const std::vector<uint8_t>& address) {
     EPCOMM_CHECK(pos + len + 16 <= address.size(), kInvalidArgument, "addPeer: truncated address for NIC " << n);
     std::lock_guard<std::mutex> lock(nics_[n]->mu);
     int rc = fi_av_insert(nics_[n]->av, address.data() + pos, 1, &entry.addrs[n], 0, nullptr);
-    EPCOMM_CHECK(rc == 1, kFabric,
-                 "fi_av_insert (NIC " << n << ", provider " << prov_ << ") failed: " << (rc < 0 ? fiErr(rc) : "0 inserted"));
+    EPCOMM_CHECK(
+        rc == 1, kFabric,
+        "fi_av_insert (NIC " << n << ", provider " << prov_ << ") failed: " << (rc < 0 ? fiErr(rc) : "0 inserted"));
     pos += len;
     std::memcpy(&entry.sinkAddr[n], address.data() + pos, 8);
     std::memcpy(&entry.sinkKey[n], address.data() + pos + 8, 8);
@@ -635,8 +635,8 @@ void LibfabricEngine::retryPending(FiNic& n, Finished& finished) {
   }
 }
 
-void LibfabricEngine::postPlan(const Target& target, const MemoryRegion* src, std::vector<NicPlan>& plan,
-                               uint32_t imm, const std::shared_ptr<OpState>& op) {
+void LibfabricEngine::postPlan(const Target& target, const MemoryRegion* src, std::vector<NicPlan>& plan, uint32_t imm,
+                               const std::shared_ptr<OpState>& op) {
   const auto* region = static_cast<const FiRegion*>(src);
   // Build every piece first so op->pending is final before the first one can complete.
   std::vector<std::vector<Piece*>> now(numNics_);
@@ -832,8 +832,8 @@ void LibfabricEngine::send(PeerId peer, const void* data, size_t bytes, Completi
     std::lock_guard<std::mutex> lock(nic.mu);
     if (!p->inject && mrLocal_) {
       fid_mr* mr = nullptr;
-      int rc = fi_mr_reg(nic.domain, p->msg.data(), p->msg.size(), FI_SEND, 0, provKey_ ? 0 : nextKey_.fetch_add(1),
-                         0, &mr, nullptr);
+      int rc = fi_mr_reg(nic.domain, p->msg.data(), p->msg.size(), FI_SEND, 0, provKey_ ? 0 : nextKey_.fetch_add(1), 0,
+                         &mr, nullptr);
       if (rc != 0) {
         delete p;
         EPCOMM_THROW(kFabric, "fi_mr_reg(send buffer, provider " << prov_ << ") failed: " << fiErr(rc));
@@ -883,8 +883,8 @@ void LibfabricEngine::handleError(FiNic& n, Finished& finished) {
   std::string detail = fiErr(err.err) + " (provider error: " + (provErr != nullptr ? provErr : "?") + ")";
   auto* p = reinterpret_cast<Piece*>(err.op_context);
   if (p == nullptr) {
-    recordError(ErrorCode::kFabric, "fi_cq_readerr on NIC " + std::to_string(n.index) + " (provider " + prov_ +
-                                        "): " + detail);
+    recordError(ErrorCode::kFabric,
+                "fi_cq_readerr on NIC " + std::to_string(n.index) + " (provider " + prov_ + "): " + detail);
     return;
   }
   if (p->kind == PieceKind::kRecv) {

@@ -26,8 +26,10 @@ std::unique_ptr<TransferEngine> createNamed(const EngineOptions& options) {
 #ifdef EPCOMM_HAVE_LIBFABRIC
   return std::make_unique<LibfabricEngine>(options);
 #else
-  EPCOMM_THROW(kNotBuilt, "the libfabric TransferEngine was not built (libfabric-dev missing at build time); "
-                          "provider '" << options.provider << "' unavailable");
+  EPCOMM_THROW(kNotBuilt,
+               "the libfabric TransferEngine was not built (libfabric-dev missing at build time); "
+               "provider '"
+                   << options.provider << "' unavailable");
 #endif
 }
 }  // namespace

@@ -342,8 +342,8 @@ void VerbsEngine::sendConnectInfo(VerbsNic& n, const NicAddr& to, uint32_t qpn, 
   n.live.insert(w);
 }
 
-void VerbsEngine::modifyToRts(VerbsNic& n, ibv_qp* qp, const NicAddr& remote, uint32_t remoteQpn,
-                              uint32_t remotePsn, uint32_t localPsn) {
+void VerbsEngine::modifyToRts(VerbsNic& n, ibv_qp* qp, const NicAddr& remote, uint32_t remoteQpn, uint32_t remotePsn,
+                              uint32_t localPsn) {
   ibv_qp_attr a{};
   a.qp_state = IBV_QPS_RTR;
   a.path_mtu = n.portAttr.active_mtu;
@@ -371,9 +371,9 @@ void VerbsEngine::modifyToRts(VerbsNic& n, ibv_qp* qp, const NicAddr& remote, ui
   a.rnr_retry = 7;
   a.sq_psn = localPsn;
   a.max_rd_atomic = 1;
-  rc = ibv_modify_qp(qp, &a,
-                     IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
-                         IBV_QP_MAX_QP_RD_ATOMIC);
+  rc = ibv_modify_qp(
+      qp, &a,
+      IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC);
   EPCOMM_CHECK(rc == 0, kVerbs, "ibv_modify_qp(RC RTS, NIC " << n.index << ") failed: " << errnoText(rc));
 }
 
@@ -538,8 +538,9 @@ void VerbsEngine::submitLocked(VerbsNic& n, VerbsWork* w, Finished& finished) {
   } else if (rc == ENOMEM) {
     n.pending.push_back(w);  // send queue full: retried by progress
   } else {
-    workDone(n, w, "ibv_post_send to peer " + std::to_string(w->peer) + " (NIC " + std::to_string(n.index) + ", " +
-                       providerName() + ") failed: " + errnoText(rc),
+    workDone(n, w,
+             "ibv_post_send to peer " + std::to_string(w->peer) + " (NIC " + std::to_string(n.index) + ", " +
+                 providerName() + ") failed: " + errnoText(rc),
              finished);
   }
 }
@@ -626,8 +627,8 @@ void VerbsEngine::postPlan(const Target& target, const MemoryRegion* src, std::v
 }
 
 void VerbsEngine::send(PeerId peer, const void* data, size_t bytes, Completion done) {
-  EPCOMM_CHECK(bytes <= kCtrlMax, kInvalidArgument, "send: control message of " << bytes << " bytes exceeds "
-                                                                                  << kCtrlMax);
+  EPCOMM_CHECK(bytes <= kCtrlMax, kInvalidArgument,
+               "send: control message of " << bytes << " bytes exceeds " << kCtrlMax);
   const int n = static_cast<int>(peer % numNics_);
   ibv_qp* qp;
   {
@@ -694,7 +695,8 @@ void VerbsEngine::handleWc(VerbsNic& n, const ibv_wc& wc, Finished& finished) {
             if (m.reply == 0 && local != n.local.end()) {
               std::lock_guard<std::mutex> lock(peersMu_);
               for (const PeerEntry& p : peers_) {
-                if (p.hash == m.senderHash) sendConnectInfo(n, p.nics[n.index], local->second.qpn, local->second.psn, true);
+                if (p.hash == m.senderHash)
+                  sendConnectInfo(n, p.nics[n.index], local->second.qpn, local->second.psn, true);
               }
             }
           }

@@ -64,13 +64,13 @@ std::vector<test::RankOutcome> run(int world, const std::function<void(Comm&)>& 
 }  // namespace fg
 
 // Assertion inside a forked rank: throws, and the harness reports the message with the rank.
-#define FCHECK(cond, msg)                                                                   \
-  do {                                                                                      \
-    if (!(cond)) {                                                                          \
-      std::ostringstream fcheck_oss_;                                                       \
-      fcheck_oss_ << __FILE__ << ":" << __LINE__ << ": check failed: " #cond ": " << msg;  \
-      throw std::runtime_error(fcheck_oss_.str());                                          \
-    }                                                                                       \
+#define FCHECK(cond, msg)                                                                 \
+  do {                                                                                    \
+    if (!(cond)) {                                                                        \
+      std::ostringstream fcheck_oss_;                                                     \
+      fcheck_oss_ << __FILE__ << ":" << __LINE__ << ": check failed: " #cond ": " << msg; \
+      throw std::runtime_error(fcheck_oss_.str());                                        \
+    }                                                                                     \
   } while (0)
 
 uint8_t pattern(int rank, uint64_t i) { return static_cast<uint8_t>((i * 131u) ^ (i >> 11) ^ (rank * 71u + 5u)); }
@@ -158,8 +158,8 @@ void writeEverySize(fg::Comm& comm, const EngineOptions& opts) {
     node.engine->waitImm(imm, 1, "size " + std::to_string(size) + " from rank " + std::to_string(from));
     const uint8_t* dst = node.data() + kHalf + dstOff;
     for (uint64_t j = 0; j < size; ++j) {
-      FCHECK(dst[j] == pattern(from, srcOff + j),
-             "size " << size << ": byte " << j << " is " << int(dst[j]) << ", expected " << int(pattern(from, srcOff + j)));
+      FCHECK(dst[j] == pattern(from, srcOff + j), "size " << size << ": byte " << j << " is " << int(dst[j])
+                                                          << ", expected " << int(pattern(from, srcOff + j)));
     }
     FCHECK(dst[size] == 0xEE, "size " << size << ": byte after the write was overwritten");
     if (dstOff > 0) FCHECK(dst[-1] == 0xEE, "size " << size << ": byte before the write was overwritten");
@@ -209,8 +209,8 @@ TEST_P(FabricTest, ImmediateCountingManyInFlight) {
     node.engine->waitCounter(done, posted, "issued operations");
     comm.barrier();
     for (int v = 0; v < kValues; ++v) {
-      FCHECK(node.engine->immCount(1000 + v) == 0, "value " << v << " counted " << node.engine->immCount(1000 + v)
-                                                            << " extra times");
+      FCHECK(node.engine->immCount(1000 + v) == 0,
+             "value " << v << " counted " << node.engine->immCount(1000 + v) << " extra times");
     }
     // A large immediate value takes the map path.
     node.engine->immediate(node.peerOf[(comm.rank() + 1) % comm.world()], 0x80000001u, {});
@@ -294,8 +294,8 @@ TEST_P(FabricTest, BarrierRounds) {
       node.engine->waitImm(5, comm.world() - 1, "barrier round " + std::to_string(round));
       for (int r = 0; r < comm.world(); ++r) {
         if (r == comm.rank()) continue;
-        FCHECK(node.data()[8 * r] == round, "round " << round << ": rank " << r << " slot holds "
-                                                     << int(node.data()[8 * r]));
+        FCHECK(node.data()[8 * r] == round,
+               "round " << round << ": rank " << r << " slot holds " << int(node.data()[8 * r]));
       }
       // A second barrier keeps a fast rank from overwriting the slots of this round before everyone checked.
       node.engine->barrier(g, 6, {});
@@ -412,7 +412,8 @@ void twoNics(fg::Comm& comm, const std::string& prov, bool byBytes) {
     for (int r = 0; r < comm.world(); ++r) {
       if (r == comm.rank()) continue;
       const uint8_t* d = node.data() + kBytes + r * (kBytes / comm.world());
-      for (uint64_t j = 0; j < size; ++j) FCHECK(d[j] == pattern(r, j), "size " << size << " from " << r << " byte " << j);
+      for (uint64_t j = 0; j < size; ++j)
+        FCHECK(d[j] == pattern(r, j), "size " << size << " from " << r << " byte " << j);
     }
     FCHECK(node.engine->immCount(400) == 0, "immediate 400 over-counted");
     comm.barrier();
@@ -618,8 +619,8 @@ TEST_P(FabricTest, RegisterInvalidRange) {
     void* p = mmap(nullptr, 4 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     FCHECK(p != MAP_FAILED, "mmap");
     munmap(static_cast<uint8_t*>(p) + 2 * page, 2 * page);
-    std::string m = expectCode(ErrorCode::kInvalidArgument, "partly unmapped range",
-                               [&] { engine->registerMemory(p, 4 * page); });
+    std::string m =
+        expectCode(ErrorCode::kInvalidArgument, "partly unmapped range", [&] { engine->registerMemory(p, 4 * page); });
     FCHECK(m.find("not mapped") != std::string::npos, m);
     expectCode(ErrorCode::kInvalidArgument, "wrapping range",
                [&] { engine->registerMemory(reinterpret_cast<void*>(~uintptr_t(0) - 16), 4096); });

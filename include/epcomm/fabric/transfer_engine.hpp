@@ -21,18 +21,19 @@ constexpr int kMaxNics = 4;
 /// Serialisable description of a registered region: what a peer needs to write into it.
 /// Plain bytes; send it through the bootstrap (see serialize/deserialize).
 struct MemoryDesc {
-  uint64_t addr = 0;   ///< Base address (or offset 0 for providers with FI_MR_VIRT_ADDR off: handled inside).
-  uint64_t size = 0;   ///< Registered bytes.
+  uint64_t addr = 0;  ///< Base address (or offset 0 for providers with FI_MR_VIRT_ADDR off: handled inside).
+  uint64_t size = 0;  ///< Registered bytes.
   uint32_t numNics = 0;
-  uint64_t keys[kMaxNics] = {0, 0, 0, 0};   ///< Remote key on each NIC the engine drives.
-  uint32_t checksum = 0;                    ///< Detects a corrupted descriptor on deserialize.
+  uint64_t keys[kMaxNics] = {0, 0, 0, 0};  ///< Remote key on each NIC the engine drives.
+  uint32_t checksum = 0;                   ///< Detects a corrupted descriptor on deserialize.
 
   std::vector<uint8_t> serialize() const;
   /// Throws Error(kInvalidArgument) for a wrong size or checksum.
   static MemoryDesc deserialize(const void* data, size_t bytes);
 };
 
-/// A local registration; owned by the caller, deregistered on destruction (must outlive its transfers).
+/// A local registration; owned by the caller, deregistered on destruction (must outlive its transfers and be
+/// destroyed before the engine that registered it).
 class MemoryRegion {
  public:
   virtual ~MemoryRegion() = default;
@@ -43,11 +44,14 @@ class MemoryRegion {
 
 using PeerId = uint32_t;
 
-/// How the issuer learns that an operation finished (all its pieces, on every NIC). Either or both may be set.
+/// How the issuer learns that an operation finished (all its pieces, on every NIC): its source may be reused (and,
+/// with EngineOptions::deliveryComplete, the data is in the peer's memory). Either or both may be set.
 /// On failure the counter is NOT incremented; the error is recorded in the engine (see checkErrors / wait*).
 struct Completion {
   std::atomic<uint64_t>* counter = nullptr;  ///< Incremented once on success.
-  /// Called once from the progress thread; `error` is empty on success, else provider + call + peer.
+  /// Called once; `error` is empty on success, else provider + call + peer. Runs on the progress thread, on a
+  /// thread driving progress inside wait*/recv, or inline in the submitting call when the operation completes or
+  /// fails at once (small injected writes, posting errors): do not hold a lock the callback needs while submitting.
   std::function<void(const std::string& error)> callback;
 };
 
@@ -68,7 +72,11 @@ struct EngineOptions {
   int numNics = 1;        ///< Endpoints (NICs) driven by the engine; with one physical NIC, several endpoints.
   int progressCpu = -1;   ///< Pin the progress thread to this core (-1: not pinned).
   int64_t timeoutMs = 0;  ///< Bound of every wait (0: EPCOMM_TIMEOUT_MS).
-  bool shardByBytes = false;  ///< Multi-NIC: split each transfer over NICs by bytes (else shard by peer).
+  /// Multi-NIC: split each transfer over the NICs by bytes (else every transfer to peer p uses NIC p % numNics).
+  /// By bytes, every NIC carries its share with its own immediate (zero-byte where it has no data), the receiver
+  /// counts numNics immediates per operation and immCount/waitImm divide by numNics; all engines of a job must
+  /// agree on numNics and this flag (addPeer checks).
+  bool shardByBytes = false;
   /// A write's Completion fires once the data is in the peer's memory (FI_DELIVERY_COMPLETE) instead of once the
   /// source buffer may be reused: a rejected key or a dead peer then always reaches the issuer, at the cost of
   /// an acknowledgement per write (tcp/shm: 2-4x slower small writes). Receivers learn of delivery by immediates
@@ -120,8 +128,8 @@ class TransferEngine {
   /// dstPages[i] * dstStride, pageBytes each; one immediate at the end if withImm.
   virtual void pagedWrite(PeerId peer, const MemoryRegion& src, uint64_t srcOffset, uint64_t srcStride,
                           const std::vector<uint32_t>& srcPages, const MemoryDesc& dst, uint64_t dstOffset,
-                          uint64_t dstStride, const std::vector<uint32_t>& dstPages, uint64_t pageBytes,
-                          bool withImm, uint32_t imm, Completion done) = 0;
+                          uint64_t dstStride, const std::vector<uint32_t>& dstPages, uint64_t pageBytes, bool withImm,
+                          uint32_t imm, Completion done) = 0;
 
   /// Two-sided control messages (<= 4 KiB). recv blocks until a message from `peer` arrives or the timeout.
   virtual void send(PeerId peer, const void* data, size_t bytes, Completion done) = 0;
