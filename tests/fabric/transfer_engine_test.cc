@@ -632,6 +632,77 @@ TEST_P(FabricTest, RegisterInvalidRange) {
   }));
 }
 
+// Submission from several threads at once, thousands of operations in flight (exercises FI_EAGAIN queueing).
+TEST_P(FabricTest, ConcurrentSubmitters) {
+  const std::string prov = provider();
+  expectRanks(fg::run(2, [&](fg::Comm& comm) {
+    const int kThreads = 4;
+    const int kOps = 1500;
+    const uint64_t kSlot = 4096;
+    Node node(comm, optionsFor(prov), 2 * kThreads * kSlot);
+    fill(node.data(), kThreads * kSlot, comm.rank());
+    comm.barrier();
+    const int peer = 1 - comm.rank();
+    std::atomic<uint64_t> done{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        for (int k = 0; k < kOps; ++k) {
+          Completion c;
+          c.counter = &done;
+          uint64_t len = 1 + (k * 37 + t) % kSlot;
+          node.engine->write(node.peerOf[peer], *node.buf, t * kSlot, node.descOf[peer], (kThreads + t) * kSlot, len,
+                             true, 1100 + t, k % 3 == 0 ? c : Completion{});
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+    for (int t = 0; t < kThreads; ++t) node.engine->waitImm(1100 + t, kOps, "thread " + std::to_string(t));
+    node.engine->waitCounter(done, kThreads * ((kOps + 2) / 3), "concurrent writes");
+    for (int t = 0; t < kThreads; ++t) {
+      // The largest write of each thread covers what any other of its writes covered with the same bytes.
+      uint64_t maxLen = 0;
+      for (int k = 0; k < kOps; ++k) maxLen = std::max<uint64_t>(maxLen, 1 + (k * 37 + t) % kSlot);
+      for (uint64_t j = 0; j < maxLen; ++j) {
+        FCHECK(node.data()[(kThreads + t) * kSlot + j] == pattern(peer, t * kSlot + j),
+               "thread " << t << " byte " << j);
+      }
+    }
+    comm.barrier("end");
+  }));
+}
+
+// Nobody calls wait*: the progress thread alone completes the issuer's operations and counts the receiver's
+// immediates (here pinned to core 0).
+TEST_P(FabricTest, ProgressThreadAlone) {
+  const std::string prov = provider();
+  expectRanks(fg::run(2, [&](fg::Comm& comm) {
+    EngineOptions o = optionsFor(prov);
+    o.progressCpu = 0;
+    Node node(comm, o, 1 << 20);
+    fill(node.data(), 1 << 19, comm.rank());
+    comm.barrier();
+    const int peer = 1 - comm.rank();
+    std::atomic<int> callbacks{0};
+    for (int k = 0; k < 50; ++k) {
+      Completion c;
+      c.callback = [&](const std::string& err) {
+        if (err.empty()) callbacks.fetch_add(1);
+      };
+      node.engine->write(node.peerOf[peer], *node.buf, 0, node.descOf[peer], 1 << 19, 1 << 18, true, 9, c);
+    }
+    auto t0 = std::chrono::steady_clock::now();
+    while ((callbacks.load() < 50 || node.engine->immCount(9) < 50) &&
+           std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    FCHECK(callbacks.load() == 50, callbacks.load() << " of 50 callbacks without a waiter");
+    FCHECK(node.engine->immCount(9) == 50, node.engine->immCount(9) << " of 50 immediates without a waiter");
+    for (uint64_t j = 0; j < (1 << 18); ++j) FCHECK(node.data()[(1 << 19) + j] == pattern(peer, j), "byte " << j);
+    comm.barrier("end");
+  }));
+}
+
 INSTANTIATE_TEST_SUITE_P(Providers, FabricTest, ::testing::Values("tcp", "shm"),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
