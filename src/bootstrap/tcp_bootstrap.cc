@@ -541,6 +541,9 @@ std::unique_ptr<Bootstrap> createBootstrapFromEnv() {
   return createTcpBootstrap(e.bootstrap, e.rank, e.worldSize, e.timeoutMs);
 }
 
+// Declared in epcomm/mpi_bootstrap.hpp, which is header-only and cannot reach env() itself.
+int64_t bootstrapTimeoutMs() { return env().timeoutMs; }
+
 std::unique_ptr<Bootstrap> createSelfBootstrap() { return std::make_unique<bootstrap::SelfBootstrap>(); }
 
 }  // namespace epcomm
