@@ -26,6 +26,7 @@ constexpr size_t kCtrlHeader = 16;
 constexpr size_t kCtrlMax = 4096;
 constexpr uint64_t kMaxWrite = 1ull << 30;
 constexpr int kInline = 64;
+constexpr size_t kChainMax = 256;  // work requests per ibv_post_send chain (send queue holds kSqDepth)
 constexpr int64_t kResendMs = 100;
 
 struct ConnectMsg {
@@ -569,20 +570,17 @@ void VerbsEngine::postPlan(const Target& target, const MemoryRegion* src, std::v
     EPCOMM_CHECK(target.peer < peers_.size(), kInvalidArgument, "unknown peer " << target.peer);
     qps = peers_[target.peer].qps;
   }
-  std::vector<VerbsWork*> works(numNics_, nullptr);
+  // One chain per NIC, cut into pieces of at most kChainMax work requests so a long paged write never exceeds
+  // the send queue; each piece signals only its last request, and RC order keeps the immediate after the data.
+  std::vector<std::vector<VerbsWork*>> works(numNics_);
   int total = 0;
   for (int n = 0; n < numNics_; ++n) {
     NicPlan& np = plan[n];
     if (np.chunks.empty() && !np.imm) continue;
-    auto* w = new VerbsWork();
-    w->kind = VerbsWork::Kind::kChain;
-    w->nic = n;
-    w->peer = target.peer;
-    w->op = op;
-    w->qp = qps[n];
+    std::vector<ibv_send_wr> wrs;
+    std::vector<ibv_sge> sges;
     auto add = [&](uint64_t srcOff, uint64_t dstOff, uint64_t len) {
       ibv_send_wr wr{};
-      wr.wr_id = reinterpret_cast<uint64_t>(w);
       wr.opcode = IBV_WR_RDMA_WRITE;
       wr.num_sge = len > 0 ? 1 : 0;
       wr.wr.rdma.remote_addr = target.remoteBase[n] + dstOff;
@@ -594,23 +592,34 @@ void VerbsEngine::postPlan(const Target& target, const MemoryRegion* src, std::v
         sge.lkey = region->mrs_[n]->lkey;
         if (len <= static_cast<uint64_t>(kInline)) wr.send_flags |= IBV_SEND_INLINE;
       }
-      w->wrs.push_back(wr);
-      w->sges.push_back(sge);
+      wrs.push_back(wr);
+      sges.push_back(sge);
     };
     for (const Chunk& c : np.chunks) {
       for (uint64_t off = 0; off < c.length; off += kMaxWrite) {
         add(c.srcOffset + off, c.dstOffset + off, std::min<uint64_t>(kMaxWrite, c.length - off));
       }
     }
-    if (np.imm && w->wrs.empty()) add(0, 0, 0);
+    if (np.imm && wrs.empty()) add(0, 0, 0);
     if (np.imm) {
-      // RC delivers in order, so the immediate on the last work request lands after the chain's data.
-      w->wrs.back().opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
-      w->wrs.back().imm_data = htonl(imm);
+      wrs.back().opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+      wrs.back().imm_data = htonl(imm);
     }
-    w->wrs.back().send_flags |= IBV_SEND_SIGNALED;
-    works[n] = w;
-    ++total;
+    for (size_t first = 0; first < wrs.size(); first += kChainMax) {
+      const size_t last = std::min(wrs.size(), first + kChainMax);
+      auto* w = new VerbsWork();
+      w->kind = VerbsWork::Kind::kChain;
+      w->nic = n;
+      w->peer = target.peer;
+      w->op = op;
+      w->qp = qps[n];
+      w->wrs.assign(wrs.begin() + first, wrs.begin() + last);
+      w->sges.assign(sges.begin() + first, sges.begin() + last);
+      for (ibv_send_wr& wr : w->wrs) wr.wr_id = reinterpret_cast<uint64_t>(w);
+      w->wrs.back().send_flags |= IBV_SEND_SIGNALED;
+      works[n].push_back(w);
+      ++total;
+    }
   }
   op->pending.store(total, std::memory_order_release);
   if (total == 0) {
@@ -619,9 +628,9 @@ void VerbsEngine::postPlan(const Target& target, const MemoryRegion* src, std::v
   }
   Finished finished;
   for (int n = 0; n < numNics_; ++n) {
-    if (works[n] == nullptr) continue;
+    if (works[n].empty()) continue;
     std::lock_guard<std::mutex> lock(nics_[n]->mu);
-    submitLocked(*nics_[n], works[n], finished);
+    for (VerbsWork* w : works[n]) submitLocked(*nics_[n], w, finished);
   }
   for (auto& f : finished) finishOp(f);
 }
