@@ -295,10 +295,9 @@ class TcpBootstrap final : public Bootstrap {
       return -1;
     }
     if (h.magic != kMagic || h.op != static_cast<uint16_t>(Op::kHello)) {
-      EPCOMM_LOG(kWarn, "bootstrap: rank 0 ignored a connection from " << peer
-                                                                       << " that is not an epcomm bootstrap of this "
-                                                                          "version (magic "
-                                                                       << std::hex << h.magic << ")");
+      EPCOMM_LOG(kWarn, "bootstrap: rank 0 ignored a connection from "
+                            << peer << ": not an epcomm bootstrap hello of this version (magic 0x" << std::hex
+                            << h.magic << ")");
       return -1;
     }
     int r = h.rank;

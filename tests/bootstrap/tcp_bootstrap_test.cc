@@ -1,6 +1,9 @@
 // The TCP bootstrap between real processes over 127.0.0.1: collectives, and every failure a job can meet
 // (a rank that dies, one that never starts, one that is late, misconfigured ranks, collectives out of order).
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -264,6 +267,46 @@ TEST(TcpBootstrap, DuplicateRankIsReported) {
         int rank = process == 2 ? 1 : process;  // Two processes claim rank 1; rank 2 never comes.
         expectError([&] { createTcpBootstrap(address, rank, 3, kTimeoutMs); }, ErrorCode::kBootstrap,
                     "rank 1 joined twice");
+      },
+      RunOptions{kTimeoutMs, 60000});
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+// Connects a plain TCP socket to 127.0.0.1:port, retrying while nobody listens yet; returns the fd or -1.
+int rawConnect(int port) {
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) return fd;
+    ::close(fd);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return -1;
+}
+
+TEST(TcpBootstrap, StrayConnectionsAreIgnored) {
+  int port = test::freeTcpPort();
+  std::string address = "127.0.0.1:" + std::to_string(port);
+  RunResult result = runProcesses(
+      3,
+      [&](int rank) {
+        if (rank == 1) {
+          // Something that is not an epcomm rank: one peer sends garbage, another connects and stays silent.
+          int noisy = rawConnect(port);
+          int silent = rawConnect(port);
+          ASSERT_GE(noisy, 0);
+          ASSERT_GE(silent, 0);
+          std::vector<char> garbage(64, 'x');
+          ASSERT_EQ(::send(noisy, garbage.data(), garbage.size(), MSG_NOSIGNAL), 64);
+        }
+        std::unique_ptr<Bootstrap> bs = createTcpBootstrap(address, rank, 3, kTimeoutMs);
+        int value = rank * 10;
+        std::vector<int> all(3);
+        bs->allGather(&value, all.data(), sizeof(int));
+        EXPECT_EQ(all, (std::vector<int>{0, 10, 20}));
       },
       RunOptions{kTimeoutMs, 60000});
   EXPECT_TRUE(result.allOk()) << result.summary();
