@@ -141,7 +141,9 @@ std::shared_ptr<OpState> EngineBase::newOp(PeerId peer, const char* what, Comple
   op->done = std::move(done);
   op->peer = peer;
   op->what = what;
-  op->deadlineMs = nowMs() + timeoutMs_;
+  // An operation fails a margin after the engine's timeout, so a caller waiting with the same bound (on its
+  // immediates, its counter) reports its own, more specific timeout first.
+  op->deadlineMs = nowMs() + timeoutMs_ + std::max<int64_t>(100, timeoutMs_ / 10);
   return op;
 }
 
