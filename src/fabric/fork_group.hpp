@@ -1,4 +1,4 @@
-// A tiny multi-process harness for fabric tests and benchmarks: forks W real processes that exchange blobs and
+// A tiny multi-process harness for the fabric benchmark (tests use tests/support/multiprocess.hpp): forks W real
 // meet at barriers through a shared anonymous mapping (no sockets, no bootstrap service). Header-only; internal.
 #pragma once
 
