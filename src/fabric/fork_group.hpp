@@ -1,5 +1,5 @@
-// A tiny multi-process harness for the fabric benchmark (tests use tests/support/multiprocess.hpp): forks W real
-// meet at barriers through a shared anonymous mapping (no sockets, no bootstrap service). Header-only; internal.
+// A tiny multi-process harness for the fabric benchmark (tests use tests/support/multiprocess.hpp): forks W
+// real processes that exchange blobs and meet at barriers through a shared anonymous mapping. Header-only; internal.
 #pragma once
 
 #include <sched.h>
