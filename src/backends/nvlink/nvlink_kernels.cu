@@ -618,10 +618,8 @@ __device__ void combineSendBody(const CombineKernelArgs& a, int32_t* smem) {
   // 7168-element row with one load in flight measured ~100 us for decode).
   const uint32_t chunks = static_cast<uint32_t>(ceilDiv(units, 32 * kChunkU));
   for (uint32_t wu = warpId; wu < W * Ts * chunks; wu += numWarps) {
-    // Senders vary fastest: at any moment the warps mix partials bound for this rank (HBM) with partials bound for
-    // peers (NVLink), so the two kinds of traffic overlap instead of running one after the other.
     const uint32_t item = wu / chunks, chunk = wu % chunks;
-    const uint32_t s = item % W, j = item / W;
+    const uint32_t s = item / Ts, j = item % Ts;
     if (j >= static_cast<uint32_t>(numTokens[s])) continue;
     const uint32_t t = j * D + s % D;
     const uint32_t group0 = (s / D) * D;
@@ -656,45 +654,21 @@ __device__ void combineSendBody(const CombineKernelArgs& a, int32_t* smem) {
       for (int i = 0; i < N; ++i) acc[c][i] = 0.f;
     }
     const uint32_t u0 = chunk * 32 * kChunkU + lane;
-    // Two expert rows per step: 2 * kChunkU independent loads in flight per lane, then the FMAs in k order (the same
-    // operations in the same order as one row at a time, so results are unchanged bit for bit).
     for (uint32_t h = 0; h < 2; ++h) {
-      for (uint32_t m = valid[h]; m != 0;) {
-        const int b1 = __ffs(m) - 1;
-        m &= m - 1;
-        const bool two = m != 0;
-        const int b2 = two ? __ffs(m) - 1 : b1;
-        if (two) m &= m - 1;
-        const int64_t off1 = __shfl_sync(0xffffffffu, yOff[h], b1), off2 = __shfl_sync(0xffffffffu, yOff[h], b2);
-        const float w1 = __shfl_sync(0xffffffffu, w[h], b1), w2 = __shfl_sync(0xffffffffu, w[h], b2);
-        Vec<PT, N> r1[kChunkU], r2[kChunkU];
+      for (uint32_t m = valid[h]; m != 0; m &= m - 1) {
+        const int b = __ffs(m) - 1;
+        const int64_t off = __shfl_sync(0xffffffffu, yOff[h], b);
+        const float wk = __shfl_sync(0xffffffffu, w[h], b);
+        float yv[kChunkU][N];
 #pragma unroll
         for (int c = 0; c < kChunkU; ++c) {
           const uint32_t u = u0 + c * 32;
-          if (u < units) r1[c] = *reinterpret_cast<const Vec<PT, N>*>(y + off1 + static_cast<int64_t>(u) * N);
-        }
-        if (two) {
-#pragma unroll
-          for (int c = 0; c < kChunkU; ++c) {
-            const uint32_t u = u0 + c * 32;
-            if (u < units) r2[c] = *reinterpret_cast<const Vec<PT, N>*>(y + off2 + static_cast<int64_t>(u) * N);
-          }
+          if (u < units) loadF<PT, N>(y + off + static_cast<int64_t>(u) * N, yv[c]);
         }
 #pragma unroll
         for (int c = 0; c < kChunkU; ++c) {
-          float yv[N];
-          toF<PT, N>(r1[c], yv);
 #pragma unroll
-          for (int i = 0; i < N; ++i) acc[c][i] = fmaf(w1, yv[i], acc[c][i]);
-        }
-        if (two) {
-#pragma unroll
-          for (int c = 0; c < kChunkU; ++c) {
-            float yv[N];
-            toF<PT, N>(r2[c], yv);
-#pragma unroll
-            for (int i = 0; i < N; ++i) acc[c][i] = fmaf(w2, yv[i], acc[c][i]);
-          }
+          for (int i = 0; i < N; ++i) acc[c][i] = fmaf(wk, yv[c][i], acc[c][i]);
         }
       }
     }
