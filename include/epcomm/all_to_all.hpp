@@ -36,8 +36,8 @@ struct DispatchArgs {
   /// Optional int32 scalar in the backend's memory (device memory for GPU backends): tokens >= *boundM are
   /// ignored. Lets a CUDA graph run with a varying token count. nullptr = m.
   const int32_t* boundM = nullptr;
-  bool doSend = true;  ///< Run the send half (never blocks).
-  bool doRecv = true;  ///< Run the receive half (waits for the peers' data).
+  bool doSend = true;      ///< Run the send half (never blocks).
+  bool doRecv = true;      ///< Run the receive half (waits for the peers' data).
   void* stream = nullptr;  ///< cudaStream_t for GPU backends; ignored by the host backend.
 };
 

@@ -53,10 +53,10 @@ namespace detail {
 }  // namespace epcomm
 
 /// Throws epcomm::Error; `msg` is a stream expression: EPCOMM_THROW(kInvalidArgument, "x has " << n << " rows").
-#define EPCOMM_THROW(code, msg)                                                                      \
-  do {                                                                                               \
-    std::ostringstream epcomm_oss_;                                                                  \
-    epcomm_oss_ << msg;                                                                              \
+#define EPCOMM_THROW(code, msg)                                                                     \
+  do {                                                                                              \
+    std::ostringstream epcomm_oss_;                                                                 \
+    epcomm_oss_ << msg;                                                                             \
     ::epcomm::detail::throwError(::epcomm::ErrorCode::code, epcomm_oss_.str(), __FILE__, __LINE__); \
   } while (0)
 

@@ -15,7 +15,7 @@ struct PlannedBuffer {
   std::string name;    ///< e.g. "outExpertX", "recv buffer".
   std::string memory;  ///< "device", "host pinned", "host", "device (peer-mapped)".
   uint64_t bytes = 0;
-  std::string note;    ///< Shape or formula.
+  std::string note;  ///< Shape or formula.
 };
 
 /// Buffers for `config` on `backend` ("" = outputs only): the caller's output tensors, then the backend's own.

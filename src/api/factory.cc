@@ -68,9 +68,9 @@ std::vector<std::string> builtBackends() {
 
 std::unique_ptr<AllToAll> createAllToAll(const Config& config, Bootstrap& bootstrap, const std::string& backend) {
   config.validate();
-  EPCOMM_CHECK(static_cast<int>(config.worldSize) == bootstrap.worldSize(), kInvalidArgument,
-               "config.worldSize = " << config.worldSize << " but the bootstrap has " << bootstrap.worldSize()
-                                     << " ranks");
+  EPCOMM_CHECK(
+      static_cast<int>(config.worldSize) == bootstrap.worldSize(), kInvalidArgument,
+      "config.worldSize = " << config.worldSize << " but the bootstrap has " << bootstrap.worldSize() << " ranks");
   EPCOMM_CHECK(static_cast<int>(config.rank) == bootstrap.rank(), kInvalidArgument,
                "config.rank = " << config.rank << " but the bootstrap says rank " << bootstrap.rank());
   setLogRank(bootstrap.rank());
@@ -92,17 +92,14 @@ std::unique_ptr<AllToAll> createAllToAll(const Config& config, Bootstrap& bootst
   }
   for (const BackendEntry& e : table) {
     if (wanted != e.name) continue;
-    EPCOMM_CHECK(e.built, kNotBuilt,
-                 "backend '" << wanted << "' is not part of this build (built: "
-                             << [] {
-                                  std::string s;
-                                  for (const std::string& n : builtBackends()) s += (s.empty() ? "" : ", ") + n;
-                                  return s.empty() ? std::string("none") : s;
-                                }()
-                             << ")");
+    EPCOMM_CHECK(
+        e.built, kNotBuilt, "backend '" << wanted << "' is not part of this build (built: " << [] {
+          std::string s;
+          for (const std::string& n : builtBackends()) s += (s.empty() ? "" : ", ") + n;
+          return s.empty() ? std::string("none") : s;
+        }() << ")");
     std::string why;
-    EPCOMM_CHECK(usableEverywhere(e, bootstrap, &why), kUnavailable,
-                 "backend '" << wanted << "' cannot run: " << why);
+    EPCOMM_CHECK(usableEverywhere(e, bootstrap, &why), kUnavailable, "backend '" << wanted << "' cannot run: " << why);
     return e.create(config, bootstrap);
   }
   EPCOMM_THROW(kInvalidArgument, "unknown backend '" << wanted << "' (auto, nvlink, nvshmem, proxy, host)");

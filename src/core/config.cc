@@ -9,8 +9,10 @@ namespace epcomm {
 
 const char* layoutName(Layout layout) {
   switch (layout) {
-    case Layout::kBatched: return "batched";
-    case Layout::kPacked: return "packed";
+    case Layout::kBatched:
+      return "batched";
+    case Layout::kPacked:
+      return "packed";
   }
   return "invalid";
 }
@@ -18,7 +20,8 @@ const char* layoutName(Layout layout) {
 void Config::validate() const {
   const std::string self = " (config: " + toString() + ")";
   EPCOMM_CHECK(worldSize > 0, kInvalidConfig, "worldSize must be > 0, got 0" << self);
-  EPCOMM_CHECK(rank < worldSize, kInvalidConfig, "rank " << rank << " is out of range [0, worldSize=" << worldSize << ")" << self);
+  EPCOMM_CHECK(rank < worldSize, kInvalidConfig,
+               "rank " << rank << " is out of range [0, worldSize=" << worldSize << ")" << self);
   EPCOMM_CHECK(dpSize > 0, kInvalidConfig, "dpSize must be > 0, got 0" << self);
   EPCOMM_CHECK(worldSize % dpSize == 0, kInvalidConfig,
                "worldSize " << worldSize << " is not a multiple of dpSize " << dpSize << self);
@@ -28,9 +31,9 @@ void Config::validate() const {
   EPCOMM_CHECK(expertsPerToken > 0, kInvalidConfig, "expertsPerToken must be > 0, got 0" << self);
   EPCOMM_CHECK(expertsPerToken <= numExperts, kInvalidConfig,
                "expertsPerToken " << expertsPerToken << " exceeds numExperts " << numExperts << self);
-  EPCOMM_CHECK(expertsPerToken <= kMaxExpertsPerToken, kInvalidConfig,
-               "expertsPerToken " << expertsPerToken << " exceeds the supported maximum " << kMaxExpertsPerToken
-                                  << self);
+  EPCOMM_CHECK(
+      expertsPerToken <= kMaxExpertsPerToken, kInvalidConfig,
+      "expertsPerToken " << expertsPerToken << " exceeds the supported maximum " << kMaxExpertsPerToken << self);
   EPCOMM_CHECK(maxNumTokens > 0, kInvalidConfig, "maxNumTokens must be > 0, got 0" << self);
   EPCOMM_CHECK(hiddenDim > 0, kInvalidConfig, "hiddenDim must be > 0, got 0" << self);
   EPCOMM_CHECK(hiddenDimBytes > 0, kInvalidConfig, "hiddenDimBytes must be > 0, got 0" << self);
@@ -57,9 +60,7 @@ uint64_t Config::packedRows() const {
   return packedRowsFor(maxNumTokens, numDpGroups(), numLocalExperts(), expertsPerToken, expertPadding);
 }
 
-uint64_t Config::expertRows() const {
-  return layout == Layout::kBatched ? batchedRowsPerExpert() : packedRows();
-}
+uint64_t Config::expertRows() const { return layout == Layout::kBatched ? batchedRowsPerExpert() : packedRows(); }
 
 uint64_t Config::totalExpertRows() const {
   return layout == Layout::kBatched ? numLocalExperts() * batchedRowsPerExpert() : packedRows();

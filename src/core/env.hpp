@@ -19,17 +19,17 @@ const std::vector<EnvVar>& envVars();
 
 /// Values of the variables, parsed once on first use. Unknown EPCOMM_* variables produce a warning.
 struct Env {
-  std::string logLevel;         ///< EPCOMM_LOG_LEVEL
-  int64_t timeoutMs;            ///< EPCOMM_TIMEOUT_MS: every wait on host and device is bounded by this.
-  std::string bootstrap;        ///< EPCOMM_BOOTSTRAP: host:port of rank 0's rendezvous listener.
-  int rank;                     ///< EPCOMM_RANK (-1 when unset)
-  int worldSize;                ///< EPCOMM_WORLD_SIZE (-1 when unset)
-  int localRank;                ///< EPCOMM_LOCAL_RANK (-1 when unset): picks the CUDA device.
-  std::string backend;          ///< EPCOMM_BACKEND: default backend name for the factory ("auto").
-  std::string fabricProvider;   ///< EPCOMM_FABRIC_PROVIDER: libfabric provider ("" = probe).
-  int64_t privateTokens;        ///< EPCOMM_PRIVATE_TOKENS: host/proxy private area per sender (-1 = derived).
-  int proxyCpu;                 ///< EPCOMM_PROXY_CPU: core to pin progress/proxy threads to (-1 = none).
-  int nvlinkBlocks;             ///< EPCOMM_NVLINK_BLOCKS: SMs used by nvlink kernels (0 = auto).
+  std::string logLevel;        ///< EPCOMM_LOG_LEVEL
+  int64_t timeoutMs;           ///< EPCOMM_TIMEOUT_MS: every wait on host and device is bounded by this.
+  std::string bootstrap;       ///< EPCOMM_BOOTSTRAP: host:port of rank 0's rendezvous listener.
+  int rank;                    ///< EPCOMM_RANK (-1 when unset)
+  int worldSize;               ///< EPCOMM_WORLD_SIZE (-1 when unset)
+  int localRank;               ///< EPCOMM_LOCAL_RANK (-1 when unset): picks the CUDA device.
+  std::string backend;         ///< EPCOMM_BACKEND: default backend name for the factory ("auto").
+  std::string fabricProvider;  ///< EPCOMM_FABRIC_PROVIDER: libfabric provider ("" = probe).
+  int64_t privateTokens;       ///< EPCOMM_PRIVATE_TOKENS: host/proxy private area per sender (-1 = derived).
+  int proxyCpu;                ///< EPCOMM_PROXY_CPU: core to pin progress/proxy threads to (-1 = none).
+  int nvlinkBlocks;            ///< EPCOMM_NVLINK_BLOCKS: SMs used by nvlink kernels (0 = auto).
 };
 
 /// The process-wide parsed environment (read on first call; thread-safe).

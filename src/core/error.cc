@@ -4,20 +4,34 @@ namespace epcomm {
 
 const char* errorCodeName(ErrorCode code) {
   switch (code) {
-    case ErrorCode::kInvalidArgument: return "invalid_argument";
-    case ErrorCode::kInvalidConfig: return "invalid_config";
-    case ErrorCode::kNotBuilt: return "not_built";
-    case ErrorCode::kUnavailable: return "unavailable";
-    case ErrorCode::kCuda: return "cuda";
-    case ErrorCode::kNccl: return "nccl";
-    case ErrorCode::kFabric: return "fabric";
-    case ErrorCode::kVerbs: return "verbs";
-    case ErrorCode::kSystem: return "system";
-    case ErrorCode::kBootstrap: return "bootstrap";
-    case ErrorCode::kTimeout: return "timeout";
-    case ErrorCode::kPeerFailure: return "peer_failure";
-    case ErrorCode::kDeviceError: return "device_error";
-    case ErrorCode::kInternal: return "internal";
+    case ErrorCode::kInvalidArgument:
+      return "invalid_argument";
+    case ErrorCode::kInvalidConfig:
+      return "invalid_config";
+    case ErrorCode::kNotBuilt:
+      return "not_built";
+    case ErrorCode::kUnavailable:
+      return "unavailable";
+    case ErrorCode::kCuda:
+      return "cuda";
+    case ErrorCode::kNccl:
+      return "nccl";
+    case ErrorCode::kFabric:
+      return "fabric";
+    case ErrorCode::kVerbs:
+      return "verbs";
+    case ErrorCode::kSystem:
+      return "system";
+    case ErrorCode::kBootstrap:
+      return "bootstrap";
+    case ErrorCode::kTimeout:
+      return "timeout";
+    case ErrorCode::kPeerFailure:
+      return "peer_failure";
+    case ErrorCode::kDeviceError:
+      return "device_error";
+    case ErrorCode::kInternal:
+      return "internal";
   }
   return "unknown";
 }
@@ -29,7 +43,11 @@ static std::string formatWhat(ErrorCode code, const std::string& message, const 
 }
 
 Error::Error(ErrorCode code, const std::string& message, const char* file, int line)
-    : std::runtime_error(formatWhat(code, message, file, line)), code_(code), message_(message), file_(file), line_(line) {}
+    : std::runtime_error(formatWhat(code, message, file, line)),
+      code_(code),
+      message_(message),
+      file_(file),
+      line_(line) {}
 
 namespace detail {
 void throwError(ErrorCode code, const std::string& message, const char* file, int line) {

@@ -22,7 +22,9 @@ EPCOMM_HD uint64_t ceilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 EPCOMM_HD uint32_t expertOwner(uint32_t expert, uint32_t numLocalExperts) { return expert / numLocalExperts; }
 
 /// The rank of DP group `group` that sends token t (sending work is spread round-robin over the D ranks).
-EPCOMM_HD uint32_t tokenSender(uint32_t group, uint32_t token, uint32_t dpSize) { return group * dpSize + token % dpSize; }
+EPCOMM_HD uint32_t tokenSender(uint32_t group, uint32_t token, uint32_t dpSize) {
+  return group * dpSize + token % dpSize;
+}
 
 /// Whether `rank` sends token t of its own DP group.
 EPCOMM_HD bool sendsToken(uint32_t rank, uint32_t token, uint32_t dpSize) { return token % dpSize == rank % dpSize; }

@@ -17,11 +17,11 @@ void logLine(LogLevel level, const std::string& message);
 
 }  // namespace epcomm
 
-#define EPCOMM_LOG(level, msg)                                                  \
-  do {                                                                          \
+#define EPCOMM_LOG(level, msg)                                                                   \
+  do {                                                                                           \
     if (static_cast<int>(::epcomm::LogLevel::level) <= static_cast<int>(::epcomm::logLevel())) { \
-      std::ostringstream epcomm_log_oss_;                                       \
-      epcomm_log_oss_ << msg;                                                   \
-      ::epcomm::logLine(::epcomm::LogLevel::level, epcomm_log_oss_.str());      \
-    }                                                                           \
+      std::ostringstream epcomm_log_oss_;                                                        \
+      epcomm_log_oss_ << msg;                                                                    \
+      ::epcomm::logLine(::epcomm::LogLevel::level, epcomm_log_oss_.str());                       \
+    }                                                                                            \
   } while (0)

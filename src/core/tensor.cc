@@ -10,30 +10,45 @@ int dtypeSize(DType dtype) {
   switch (dtype) {
     case DType::kU8:
     case DType::kFp8E4M3:
-    case DType::kFp8E5M2: return 1;
+    case DType::kFp8E5M2:
+      return 1;
     case DType::kBf16:
-    case DType::kF16: return 2;
+    case DType::kF16:
+      return 2;
     case DType::kF32:
     case DType::kI32:
-    case DType::kU32: return 4;
-    case DType::kI64: return 8;
-    case DType::kInvalid: return 0;
+    case DType::kU32:
+      return 4;
+    case DType::kI64:
+      return 8;
+    case DType::kInvalid:
+      return 0;
   }
   return 0;
 }
 
 const char* dtypeName(DType dtype) {
   switch (dtype) {
-    case DType::kU8: return "u8";
-    case DType::kFp8E4M3: return "fp8_e4m3";
-    case DType::kFp8E5M2: return "fp8_e5m2";
-    case DType::kBf16: return "bf16";
-    case DType::kF16: return "fp16";
-    case DType::kF32: return "fp32";
-    case DType::kI32: return "int32";
-    case DType::kU32: return "uint32";
-    case DType::kI64: return "int64";
-    case DType::kInvalid: return "invalid";
+    case DType::kU8:
+      return "u8";
+    case DType::kFp8E4M3:
+      return "fp8_e4m3";
+    case DType::kFp8E5M2:
+      return "fp8_e5m2";
+    case DType::kBf16:
+      return "bf16";
+    case DType::kF16:
+      return "fp16";
+    case DType::kF32:
+      return "fp32";
+    case DType::kI32:
+      return "int32";
+    case DType::kU32:
+      return "uint32";
+    case DType::kI64:
+      return "int64";
+    case DType::kInvalid:
+      return "invalid";
   }
   return "invalid";
 }

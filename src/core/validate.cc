@@ -14,14 +14,13 @@ std::string where(MemoryKind memory, int device) {
 
 void checkMemory(const char* name, const TensorView& t, MemoryKind memory, int device) {
   EPCOMM_CHECK(t.data != nullptr, kInvalidArgument, name << " has a null data pointer");
-  EPCOMM_CHECK(t.memory == memory && (memory == MemoryKind::kHost || t.device == device), kInvalidArgument,
-               name << " lives in " << where(t.memory, t.device) << " memory but this backend needs "
-                    << where(memory, device));
+  EPCOMM_CHECK(
+      t.memory == memory && (memory == MemoryKind::kHost || t.device == device), kInvalidArgument,
+      name << " lives in " << where(t.memory, t.device) << " memory but this backend needs " << where(memory, device));
 }
 
 void checkDims(const char* name, const TensorView& t, int ndim) {
-  EPCOMM_CHECK(t.ndim == ndim, kInvalidArgument,
-               name << " must have " << ndim << " dimensions, got " << t.toString());
+  EPCOMM_CHECK(t.ndim == ndim, kInvalidArgument, name << " must have " << ndim << " dimensions, got " << t.toString());
 }
 
 void checkDim(const char* name, const TensorView& t, int d, int64_t expected, const char* meaning) {
@@ -40,8 +39,8 @@ void checkAligned(const char* name, const TensorView& t, int64_t alignBytes) {
   const int64_t item = dtypeSize(t.dtype);
   for (int d = 0; d + 1 < t.ndim; ++d) {
     EPCOMM_CHECK((t.strides[d] * item) % alignBytes == 0, kInvalidArgument,
-                 name << " stride " << d << " (" << t.strides[d] * item << " bytes) is not a multiple of "
-                      << alignBytes << " bytes: " << t.toString());
+                 name << " stride " << d << " (" << t.strides[d] * item << " bytes) is not a multiple of " << alignBytes
+                      << " bytes: " << t.toString());
   }
 }
 
@@ -79,10 +78,14 @@ void checkIndices(const Config& c, const char* name, const TensorView& t, int64_
 
 int indexKindOf(DType dtype) {
   switch (dtype) {
-    case DType::kI32: return 0;
-    case DType::kU32: return 1;
-    case DType::kI64: return 2;
-    default: break;
+    case DType::kI32:
+      return 0;
+    case DType::kU32:
+      return 1;
+    case DType::kI64:
+      return 2;
+    default:
+      break;
   }
   EPCOMM_THROW(kInvalidArgument, "indices must be int32, uint32 or int64, got " << dtypeName(dtype));
 }
@@ -100,8 +103,8 @@ CheckedDispatch checkDispatchArgs(const Config& c, const DispatchArgs& a, Memory
     EPCOMM_CHECK(a.x.shape[0] <= c.maxNumTokens, kInvalidArgument,
                  "x has " << a.x.shape[0] << " tokens, more than maxNumTokens = " << c.maxNumTokens);
     EPCOMM_CHECK(a.x.shape[1] * item == c.hiddenDimBytes, kInvalidArgument,
-                 "x rows are " << a.x.shape[1] * item << " bytes (" << a.x.toString() << ") but hiddenDimBytes = "
-                               << c.hiddenDimBytes);
+                 "x rows are " << a.x.shape[1] * item << " bytes (" << a.x.toString()
+                               << ") but hiddenDimBytes = " << c.hiddenDimBytes);
     checkInnerContiguous("x", a.x);
     checkAligned("x", a.x, 16);
     out.m = static_cast<uint32_t>(a.x.shape[0]);
@@ -156,8 +159,7 @@ CheckedDispatch checkDispatchArgs(const Config& c, const DispatchArgs& a, Memory
       checkExpertTensor(c, "outExpertXScale", a.outExpertXScale, scaleCols, "hiddenDimScaleBytes / 4");
       for (int d = 0; d < a.outExpertXScale.ndim; ++d) out.outScaleStrides[d] = a.outExpertXScale.strides[d];
     } else {
-      EPCOMM_CHECK(!a.outExpertXScale.defined(), kInvalidArgument,
-                   "outExpertXScale given but hiddenDimScaleBytes = 0");
+      EPCOMM_CHECK(!a.outExpertXScale.defined(), kInvalidArgument, "outExpertXScale given but hiddenDimScaleBytes = 0");
     }
   }
   return out;
@@ -183,9 +185,9 @@ CheckedCombine checkCombineArgs(const Config& c, const CombineArgs& a, MemoryKin
   if (a.doRecv) {
     checkMemory("outTokens", a.outTokens, memory, device);
     checkDims("outTokens", a.outTokens, 2);
-    EPCOMM_CHECK(a.outTokens.dtype == DType::kBf16 || a.outTokens.dtype == DType::kF16 ||
-                     a.outTokens.dtype == DType::kF32,
-                 kInvalidArgument, "outTokens must be bf16, fp16 or fp32, got " << dtypeName(a.outTokens.dtype));
+    EPCOMM_CHECK(
+        a.outTokens.dtype == DType::kBf16 || a.outTokens.dtype == DType::kF16 || a.outTokens.dtype == DType::kF32,
+        kInvalidArgument, "outTokens must be bf16, fp16 or fp32, got " << dtypeName(a.outTokens.dtype));
     EPCOMM_CHECK(a.outTokens.shape[0] <= c.maxNumTokens, kInvalidArgument,
                  "outTokens has " << a.outTokens.shape[0] << " tokens, more than maxNumTokens = " << c.maxNumTokens);
     checkDim("outTokens", a.outTokens, 1, c.hiddenDim, "hiddenDim H");

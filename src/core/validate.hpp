@@ -9,14 +9,14 @@ namespace epcomm {
 
 /// What the checks learned about the call, in the form kernels and CPU loops use.
 struct CheckedDispatch {
-  uint32_t m = 0;          ///< Tokens given (x.shape[0]).
-  int indexKind = 0;       ///< 0 int32, 1 uint32, 2 int64 (see decodeIndex).
+  uint32_t m = 0;     ///< Tokens given (x.shape[0]).
+  int indexKind = 0;  ///< 0 int32, 1 uint32, 2 int64 (see decodeIndex).
   int64_t indexStrides[2] = {0, 0};
   int64_t xRowStrideBytes = 0;
-  int64_t scaleStrides[2] = {0, 0};       ///< xScale strides in 4-byte elements.
-  int64_t outRowStrideBytes = 0;          ///< outExpertX row stride.
-  int64_t outExpertStrideBytes = 0;       ///< outExpertX expert stride (batched), 0 packed.
-  int64_t outScaleStrides[3] = {0, 0, 0}; ///< outExpertXScale strides (batched: expert, row, col; packed: row, col).
+  int64_t scaleStrides[2] = {0, 0};        ///< xScale strides in 4-byte elements.
+  int64_t outRowStrideBytes = 0;           ///< outExpertX row stride.
+  int64_t outExpertStrideBytes = 0;        ///< outExpertX expert stride (batched), 0 packed.
+  int64_t outScaleStrides[3] = {0, 0, 0};  ///< outExpertXScale strides (batched: expert, row, col; packed: row, col).
 };
 
 struct CheckedCombine {
@@ -24,9 +24,9 @@ struct CheckedCombine {
   int indexKind = 0;
   int64_t indexStrides[2] = {0, 0};
   int64_t weightStrides[2] = {0, 0};
-  int64_t outRowStride = 0;     ///< outTokens row stride in elements.
-  int64_t yRowStride = 0;       ///< expertY row stride in elements.
-  int64_t yExpertStride = 0;    ///< expertY expert stride (batched), 0 packed.
+  int64_t outRowStride = 0;   ///< outTokens row stride in elements.
+  int64_t yRowStride = 0;     ///< expertY row stride in elements.
+  int64_t yExpertStride = 0;  ///< expertY expert stride (batched), 0 packed.
 };
 
 /// Throws Error(kInvalidArgument) naming the argument and what is wrong. `memory`: where the backend needs
