@@ -61,6 +61,11 @@ std::string rankList(const std::vector<uint32_t>& ranks) {
 
 std::atomic<uint32_t> gNextObjectId{0};
 
+// Rethrows an engine error with `context` (rank, phase, peers) in front of the engine's message, keeping its code.
+[[noreturn]] void rethrowEngineError(const Error& e, const std::string& context) {
+  detail::throwError(e.code(), context + ": " + e.message(), e.file(), e.line());
+}
+
 }  // namespace
 
 void ProxyChannel::FreeBytes::operator()(uint8_t* p) const { std::free(p); }
@@ -287,8 +292,10 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
     try {
       engine_->checkErrors();
     } catch (const Error& e) {
-      EPCOMM_THROW(kPeerFailure, prefix(what, round) << ": transfer failed while waiting for " << phaseName(phase)
-                                                     << " from " << rankList(senders) << ": " << e.message());
+      // The engine's code is kept (its kTimeout stays kTimeout, a dead peer's kFabric stays kFabric): callers branch
+      // on it; only the message gains this rank, the phase and the peers still awaited.
+      rethrowEngineError(e, prefix(what, round) + ": transfer failed while waiting for " + phaseName(phase) + " from " +
+                                rankList(senders));
     }
     EPCOMM_CHECK(!stop_.load(), kInternal, prefix(what, round) << ": abandoned (object destroyed)");
     if (nowMs() - start > timeoutMs_) {
@@ -306,7 +313,7 @@ void ProxyChannel::waitLocalCompletions(const char* what, uint32_t round) {
     try {
       engine_->checkErrors();
     } catch (const Error& e) {
-      EPCOMM_THROW(kPeerFailure, prefix(what, round) << ": a write of this rank failed: " << e.message());
+      rethrowEngineError(e, prefix(what, round) + ": a write of this rank to " + rankList(peerRanks_) + " failed");
     }
     EPCOMM_CHECK(!stop_.load(), kInternal, prefix(what, round) << ": abandoned (object destroyed)");
     EPCOMM_CHECK(nowMs() - start <= timeoutMs_, kTimeout,
