@@ -12,15 +12,22 @@
 // NCCL baseline is timed the same way. The exit skew of both barriers is measured and printed first. "device" rows
 // queue a ~20 us GPU spin before the first event so the launch is hidden. Medians over --iters iterations after
 // --warmup, the maximum over ranks. Never asserts a time.
+//
+// --backend host (or auto without a GPU): W = 4 CPU processes, its own defaults (applyHostDefaults), configurations
+// that would not fit in the machine's memory are skipped with the numbers, the JSON lines go to stdout after the table,
+// and the fabric operations per peer per round follow each row. A failing rank's message is printed by the launcher.
 #include <arpa/inet.h>
 #include <cuda_runtime.h>
+#include <fcntl.h>
 #include <netinet/in.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -32,6 +39,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #ifdef EPCOMM_BENCH_HAVE_NCCL
@@ -70,7 +78,20 @@ struct Options {
   std::string json;
   std::string rev;
   std::string barrier = "shm";
+  // Given on the command line (else the host backend substitutes its own defaults, see applyHostDefaults).
+  bool configsSet = false, tokensSet = false, itersSet = false, warmupSet = false;
 };
+
+// The host backend runs every rank as CPU processes (4 by default, often on fewer cores): the GPU set (4 configs
+// up to 4096 tokens, 200 iterations) would take many minutes, and decode at 4096 tokens needs ~26 GiB per rank
+// (expertY alone is L x 16384 x H bf16), which the out-of-memory killer answers with SIGKILL. Prefill (4096 tokens)
+// only when named.
+void applyHostDefaults(Options& o) {
+  if (!o.configsSet) o.configs = {"decode", "small", "qwen3"};
+  if (!o.tokensSet) o.tokens = {1, 32, 128};
+  if (!o.itersSet) o.iters = 50;
+  if (!o.warmupSet) o.warmup = 5;
+}
 
 std::vector<std::string> splitList(const std::string& s) {
   std::vector<std::string> out;
@@ -96,13 +117,17 @@ Options parse(int argc, char** argv) {
       o.world = std::stoi(next());
     } else if (a == "--config") {
       o.configs = splitList(next());
+      o.configsSet = true;
     } else if (a == "--tokens") {
+      o.tokensSet = true;
       o.tokens.clear();
       for (const std::string& t : splitList(next())) o.tokens.push_back(static_cast<uint32_t>(std::stoul(t)));
     } else if (a == "--iters") {
       o.iters = std::stoi(next());
+      o.itersSet = true;
     } else if (a == "--warmup") {
       o.warmup = std::stoi(next());
+      o.warmupSet = true;
     } else if (a == "--dp") {
       o.dp = std::stoi(next());
     } else if (a == "--json") {
@@ -116,7 +141,9 @@ Options parse(int argc, char** argv) {
     } else if (a == "-h" || a == "--help") {
       std::cout << "epcomm-bench [--backend nvlink|host|auto] [--world W] [--config decode,prefill,small,qwen3]\n"
                    "             [--tokens 1,8,32,128,512,4096] [--iters 200] [--warmup 20] [--dp 1]\n"
-                   "             [--json out.jsonl] [--rev GIT_REV] [--barrier shm|tcp]\n";
+                   "             [--json out.jsonl] [--rev GIT_REV] [--barrier shm|tcp]\n"
+                   "  --backend host (and auto without a GPU): defaults --config decode,small,qwen3 --tokens 1,32,128\n"
+                   "  --iters 50 --warmup 5; prefill only when named\n";
       std::exit(0);
     } else {
       EPCOMM_THROW(kInvalidArgument, "unknown argument '" << a << "' (see --help)");
@@ -208,6 +235,7 @@ class Bench {
         initNccl();
       }
     }
+    if (hostMode_) applyHostDefaults(o_);
     char host[128] = {0};
     gethostname(host, sizeof(host) - 1);
     machine_ = std::string(host) + (hostMode_ ? " (cpu)" : " " + std::to_string(world_) + "x " + gpuName_);
@@ -216,6 +244,16 @@ class Bench {
     measureSkew();
     for (const std::string& name : o_.configs) {
       for (uint32_t T : o_.tokens) runOne(name, T);
+    }
+    if (rank_ == 0 && !hostJson_.empty()) {
+      std::printf("# JSON lines (backend=host): one per table row, then the fabric operations per configuration\n");
+      for (const std::string& j : hostJson_) {
+        if (j.rfind("{\"backend\"", 0) == 0) std::fputs(j.c_str(), stdout);
+      }
+      for (const std::string& j : hostJson_) {
+        if (j.rfind("{\"backend\"", 0) != 0) std::fputs(j.c_str(), stdout);
+      }
+      std::fflush(stdout);
     }
 #ifdef EPCOMM_BENCH_HAVE_NCCL
     if (nccl_ != nullptr) ncclCommDestroy(nccl_);
@@ -344,6 +382,52 @@ class Bench {
     return *std::max_element(all.begin(), all.end());
   }
 
+  // Host backend: every rank is a process of this machine, so all of them must fit in its memory at once; a
+  // configuration that does not is skipped with the numbers (else the out-of-memory killer ends the ranks with
+  // SIGKILL, which leaves no message). Rank 0 decides (MemAvailable differs between reads), everybody follows.
+  bool hostFits(const std::string& name, const Config& c) {
+    const uint64_t T = c.maxNumTokens, K = c.expertsPerToken, H = c.hiddenDim, S = c.hiddenDimScaleBytes / 4;
+    const uint64_t rows =
+        c.layout == Layout::kBatched ? c.numLocalExperts() * c.batchedRowsPerExpert() : c.expertRows();
+    // What runOne allocates: x (and its staging copy), scales, indices, weights, expertY, outExpertX(+scales), out.
+    const uint64_t tensors = 2 * T * c.hiddenDimBytes + T * S * 4 + 2 * T * K * 4 + rows * H * 2 +
+                             rows * (c.hiddenDimBytes + S * 4) + T * H * 2;
+    uint64_t backend = 0;
+#ifdef EPCOMM_HAVE_HOST_BACKEND
+    try {
+      const proxy::ProtocolSizes ps = proxy::computeSizes(c, -1);
+      backend = ps.sendBytes + ps.recvBytes + ps.combineSendBytes + ps.combineRecvBytes;
+    } catch (const Error&) {
+      // createAllToAll reports the configuration's error itself.
+    }
+#endif
+    const uint64_t perRank = tensors + backend;
+    uint64_t availKb = 0;
+    if (std::ifstream meminfo("/proc/meminfo"); meminfo) {
+      std::string key;
+      uint64_t value = 0;
+      std::string unit;
+      while (meminfo >> key >> value >> unit) {
+        if (key == "MemAvailable:") {
+          availKb = value;
+          break;
+        }
+      }
+    }
+    // 85%: the launcher, the fabric and the page cache need some too.
+    int fits = availKb == 0 || perRank * world_ <= availKb * 1024 / 100 * 85;
+    bs_.broadcast(&fits, sizeof(fits), 0);
+    if (!fits && rank_ == 0) {
+      const double gib = 1024.0 * 1024.0 * 1024.0;
+      std::fprintf(stderr,
+                   "skip %s T=%u: the host backend needs about %.1f GiB per rank (tensors %.1f GiB, registered "
+                   "buffers %.1f GiB) x %d ranks, more than 85%% of the %.1f GiB this machine has available\n",
+                   name.c_str(), c.maxNumTokens, perRank / gib, tensors / gib, backend / gib, world_,
+                   availKb * 1024.0 / gib);
+    }
+    return fits != 0;
+  }
+
   void runOne(const std::string& name, uint32_t T) {
     const bool trace = std::getenv("EPBENCH_TRACE") != nullptr;
     auto phase = [&](const char* what) {
@@ -351,6 +435,7 @@ class Bench {
     };
     Config c = standardConfig(name, world_, rank_, o_.dp);
     c.maxNumTokens = T;
+    if (hostMode_ && !hostFits(name, c)) return;
     std::unique_ptr<AllToAll> a2a;
     try {
       a2a = createAllToAll(c, bs_, o_.backend);
@@ -377,7 +462,8 @@ class Bench {
     std::vector<uint8_t> xh(static_cast<size_t>(T) * c.hiddenDimBytes);
     for (auto& b : xh) b = static_cast<uint8_t>(rng() & 0x7f);
     std::vector<float> sh(static_cast<size_t>(T) * S + 1, 1.0f), wh(static_cast<size_t>(T) * K, 1.0f / K);
-    std::vector<uint16_t> yh(static_cast<size_t>(rows) * H);
+    // Host: expertY is generated in place (no staging copy of the largest tensor), the same values in the same order.
+    std::vector<uint16_t> yh(hostMode_ ? 0 : static_cast<size_t>(rows) * H);
     for (auto& v : yh) v = 0x3f80 ^ static_cast<uint16_t>(rng() & 0x7f);  // bf16 near 1
     void* x = ts.alloc(xh.size());
     ts.fill(x, xh.data(), xh.size());
@@ -387,8 +473,13 @@ class Bench {
     ts.fill(ind, idx.data(), idx.size() * 4);
     void* w = ts.alloc(wh.size() * 4);
     ts.fill(w, wh.data(), wh.size() * 4);
-    void* y = ts.alloc(yh.size() * 2);
-    ts.fill(y, yh.data(), yh.size() * 2);
+    void* y = ts.alloc(static_cast<size_t>(rows) * H * 2);
+    if (hostMode_) {
+      uint16_t* yp = static_cast<uint16_t*>(y);
+      for (size_t i = 0; i < static_cast<size_t>(rows) * H; ++i) yp[i] = 0x3f80 ^ static_cast<uint16_t>(rng() & 0x7f);
+    } else {
+      ts.fill(y, yh.data(), yh.size() * 2);
+    }
     void* counts = ts.alloc(L * 4);
     void* ox = ts.alloc(static_cast<size_t>(rows) * c.hiddenDimBytes);
     void* os = S ? ts.alloc(static_cast<size_t>(rows) * S * 4) : nullptr;
@@ -498,6 +589,7 @@ class Bench {
       cudaGraphDestroy(gc);
     }
     a2a->synchronize();
+    std::string hostOpsLine;
 #ifdef EPCOMM_HAVE_HOST_BACKEND
     // Host backend: fabric operations per peer per round, as rank 0 issued them (the protocol's claim: the bulk is
     // one write per peer; 2 writes per peer per round without overflow, 3 with).
@@ -519,7 +611,7 @@ class Bench {
                       "bulk %.2f, combine %.2f, barrier %.2f, writes %.2f, bytes %.0f\n",
                       name.c_str(), static_cast<unsigned long long>(st.dispatchRounds), h->sizes().privateTokens,
                       ops[0] / n, ops[1] / n, ops[2] / n, ops[3] / n, (ops[0] + ops[1] + ops[2]) / n, bytes / n);
-        std::cout << line;
+        hostOpsLine = line;
         std::snprintf(line, sizeof(line),
                       "{\"bench\":\"epcomm-fabric-ops\",\"backend\":\"host\",\"config\":\"%s\",\"world\":%d,"
                       "\"tokens\":%u,\"private_tokens\":%u,\"head_writes_per_peer_round\":%.3f,"
@@ -528,7 +620,8 @@ class Bench {
                       "\"bytes_per_peer_round\":%.0f}\n",
                       name.c_str(), world_, T, h->sizes().privateTokens, ops[0] / n, ops[1] / n, ops[2] / n, ops[3] / n,
                       (ops[0] + ops[1] + ops[2]) / n, bytes / n);
-        std::cout << line << std::flush;
+        hostJson_.push_back(line);
+        if (!o_.json.empty()) std::ofstream(o_.json, std::ios::app) << line;
       }
     }
 #endif
@@ -545,6 +638,7 @@ class Bench {
     if (rank_ == 0) {
       report(backend, name, c, T, false, eager, avgBytes, bytesPplx, combineBytes, a2a->bufferBytes());
       if (!hostMode_) report(backend, name, c, T, true, graph, avgBytes, bytesPplx, combineBytes, a2a->bufferBytes());
+      if (!hostOpsLine.empty()) std::cout << hostOpsLine << std::flush;
     }
     a2a.reset();
   }
@@ -661,8 +755,9 @@ class Bench {
                 isGraph ? "-" : num(m.cSend).c_str(), isGraph ? "-" : num(m.cRecv).c_str(), num(m.dDev).c_str(),
                 num(m.cDev).c_str(), num(m.nccl).c_str(), num(m.ncclPplx).c_str(), num(dGb).c_str(), num(cGb).c_str());
     std::fflush(stdout);
-    if (o_.json.empty()) return;
-    std::ofstream f(o_.json, std::ios::app);
+    if (o_.json.empty() && !hostMode_) return;
+    // Host: the JSON lines also go to stdout, after the table (hostJson_), as the issue asks of the main job.
+    std::ostringstream f;
     char date[32];
     std::time_t now = std::time(nullptr);
     std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
@@ -681,6 +776,8 @@ class Bench {
       << (std::getenv("EPCOMM_NVLINK_BLOCKS") ? std::getenv("EPCOMM_NVLINK_BLOCKS") : "") << "\",\"iters\":" << o_.iters
       << ",\"warmup\":" << o_.warmup << ",\"rev\":\"" << gitRev(o_) << "\",\"machine\":\"" << machine_
       << "\",\"date\":\"" << date << "\"}\n";
+    if (!o_.json.empty()) std::ofstream(o_.json, std::ios::app) << f.str();
+    if (hostMode_) hostJson_.push_back(f.str());
   }
 
   Options o_;
@@ -688,6 +785,7 @@ class Bench {
   std::unique_ptr<bench::ShmBarrier> shm_;
   int rank_ = 0, world_ = 1;
   bool hostMode_ = false;
+  std::vector<std::string> hostJson_;  // host: JSON lines printed after the table
   cudaStream_t stream_ = nullptr;
   std::string gpuName_ = "cpu", machine_;
 #ifdef EPCOMM_BENCH_HAVE_NCCL
@@ -729,9 +827,19 @@ int launcher(int argc, char** argv, const Options& o) {
   const std::string addr = "127.0.0.1:" + std::to_string(freePort());
   const std::string rev = gitRev(o);
   std::vector<pid_t> kids;
+  // One pipe per rank: a failing rank writes its error there (EPBENCH_ERR_FD) and the launcher prints it as the
+  // rank exits, with the rank and how it ended (a rank killed by a signal cannot write anything).
+  std::vector<int> errFds;
   for (int r = 0; r < world; ++r) {
+    int fds[2] = {-1, -1};
+    if (pipe2(fds, O_CLOEXEC) != 0) fds[0] = fds[1] = -1;
     pid_t pid = fork();
     if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);  // a launcher that dies takes its ranks along
+      if (fds[1] >= 0) {
+        fcntl(fds[1], F_SETFD, 0);
+        setenv("EPBENCH_ERR_FD", std::to_string(fds[1]).c_str(), 1);
+      }
       setenv("EPCOMM_RANK", std::to_string(r).c_str(), 1);
       setenv("EPCOMM_WORLD_SIZE", std::to_string(world).c_str(), 1);
       setenv("EPCOMM_LOCAL_RANK", std::to_string(r).c_str(), 1);
@@ -743,13 +851,72 @@ int launcher(int argc, char** argv, const Options& o) {
       execv("/proc/self/exe", argv);
       _exit(127);
     }
+    if (fds[1] >= 0) close(fds[1]);
+    if (fds[0] >= 0) fcntl(fds[0], F_SETFL, O_NONBLOCK);
     kids.push_back(pid);
+    errFds.push_back(fds[0]);
   }
-  int failed = 0;
-  for (pid_t k : kids) {
-    int st = 0;
-    waitpid(k, &st, 0);
-    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) ++failed;
+  auto readAll = [](int fd) {
+    std::string msg;
+    char buf[4096];
+    ssize_t n;
+    while (fd >= 0 && (n = read(fd, buf, sizeof(buf))) > 0) msg.append(buf, static_cast<size_t>(n));
+    while (!msg.empty() && (msg.back() == '\n' || msg.back() == '\r')) msg.pop_back();
+    return msg;
+  };
+  // After the first failure the survivors name the dead rank within their own timeouts; a rank still running well
+  // past that is stuck and is killed, so the launcher never hangs.
+  const int64_t graceMs = 3 * env().timeoutMs + 10000;
+  int failed = 0, firstFailed = -1, alive = world;
+  std::vector<bool> done(world, false);
+  auto firstFailure = std::chrono::steady_clock::time_point{};
+  while (alive > 0) {
+    bool reaped = false;
+    for (int r = 0; r < world; ++r) {
+      if (done[r]) continue;
+      int st = 0;
+      const pid_t got = waitpid(kids[r], &st, WNOHANG);
+      if (got == 0) continue;
+      done[r] = true;
+      --alive;
+      reaped = true;
+      const std::string msg = readAll(errFds[r]);
+      if (errFds[r] >= 0) close(errFds[r]);
+      if (got > 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0) continue;
+      ++failed;
+      if (firstFailed < 0) {
+        firstFailed = r;
+        firstFailure = std::chrono::steady_clock::now();
+      }
+      std::ostringstream line;
+      line << "epcomm-bench: rank " << r << " failed";
+      if (got < 0) {
+        line << " (waitpid: " << std::strerror(errno) << ")";
+      } else if (WIFEXITED(st)) {
+        line << " (exit code " << WEXITSTATUS(st) << ")";
+      } else if (WIFSIGNALED(st)) {
+        line << " (killed by signal " << WTERMSIG(st) << ", " << strsignal(WTERMSIG(st)) << ")";
+      }
+      if (!msg.empty()) {
+        line << ": " << msg;
+      } else if (got > 0 && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL) {
+        line << ": no message; SIGKILL from outside is usually the kernel's out-of-memory killer (see dmesg)";
+      } else {
+        line << ": no message";
+      }
+      std::cerr << line.str() << "\n" << std::flush;
+    }
+    if (alive == 0) break;
+    if (firstFailed >= 0 && std::chrono::steady_clock::now() - firstFailure > std::chrono::milliseconds(graceMs)) {
+      for (int r = 0; r < world; ++r) {
+        if (done[r]) continue;
+        std::cerr << "epcomm-bench: rank " << r << " still running " << graceMs / 1000 << " s after rank "
+                  << firstFailed << " failed: killing it\n";
+        kill(kids[r], SIGKILL);
+      }
+      firstFailed = world;  // report once; the loop reaps them as failed
+    }
+    if (!reaped) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   (void)argc;
   if (failed) std::cerr << "epcomm-bench: " << failed << " rank(s) failed\n";
@@ -768,7 +935,17 @@ int main(int argc, char** argv) {
     epcomm::Bench(o, *bs).run();
     return 0;
   } catch (const std::exception& e) {
-    std::cerr << "epcomm-bench: " << e.what() << "\n";
+    // A rank started by the launcher hands its message to the launcher, which prints it with the rank's fate.
+    const char* rank = std::getenv("EPCOMM_RANK");
+    const char* errFd = std::getenv("EPBENCH_ERR_FD");
+    std::string msg = std::string(e.what()) + "\n";
+    if (errFd != nullptr && std::getenv("EPBENCH_CHILD") != nullptr) {
+      const int fd = std::atoi(errFd);
+      if (msg.size() > 16000) msg = msg.substr(0, 16000) + "...\n";  // stays below the pipe's capacity
+      if (write(fd, msg.data(), msg.size()) == static_cast<ssize_t>(msg.size())) return 1;
+    }
+    if (rank != nullptr) msg = "rank " + std::string(rank) + ": " + msg;
+    std::cerr << "epcomm-bench: " << msg;
     return 1;
   }
 }
