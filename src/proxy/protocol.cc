@@ -45,6 +45,13 @@ uint32_t derivedPrivateTokens(const Config& c) {
   return static_cast<uint32_t>(std::min<uint64_t>(withMargin, maxSend));
 }
 
+uint64_t derivedCombineSendRows(const Config& c) {
+  const uint64_t tokens = static_cast<uint64_t>(c.numDpGroups()) * c.maxNumTokens;
+  const uint64_t worst = tokens * std::min(c.expertsPerToken, c.numLocalExperts());
+  const uint64_t expected = ceilDiv(tokens * c.expertsPerToken, c.worldSize);
+  return std::min<uint64_t>(expected + expected / 4 + 4, worst);
+}
+
 ProtocolSizes computeSizes(const Config& c, int64_t privateTokens) {
   c.validate();
   EPCOMM_CHECK(c.worldSize <= kMaxRanks, kInvalidConfig,
@@ -76,7 +83,9 @@ ProtocolSizes computeSizes(const Config& c, int64_t privateTokens) {
   s.combineRowBytesMax = static_cast<uint64_t>(c.hiddenDim) * s.combineElemBytes;
   s.combineSendRows = static_cast<uint64_t>(c.numDpGroups()) * c.maxNumTokens * s.maxLocalPerEntry;
   s.combineRecvRows = static_cast<uint64_t>(c.maxNumTokens) * std::min(c.expertsPerToken, c.numExperts);
-  s.combineSendBytes = s.combineSendRows * s.combineRowBytesMax;
+  s.combineSendInitialRows = derivedCombineSendRows(c);
+  s.combineSendBytes = s.combineSendInitialRows * c.hiddenDim * 2ull;
+  s.combineSendBytesMax = s.combineSendRows * s.combineRowBytesMax;
   s.combineRecvBytes = s.combineRecvRows * s.combineRowBytesMax;
   s.layout = c.layout;
   s.expertPadding = c.expertPadding;

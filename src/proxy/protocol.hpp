@@ -84,11 +84,16 @@ struct ProtocolSizes {
   uint64_t overflowEntries = 0;     ///< W * (maxSendTokens - privateTokens).
   uint64_t sendBytes = 0;           ///< Dispatch send buffer: W send slots.
   uint64_t recvBytes = 0;           ///< Dispatch receive buffer: W private slots + overflow.
-  uint64_t combineElemBytes = 4;    ///< Largest expertY element the combine buffers hold (fp32).
+  uint64_t combineElemBytes = 4;    ///< Largest expertY element the combine receive buffer holds (fp32).
   uint64_t combineRowBytesMax = 0;  ///< H * combineElemBytes.
-  uint64_t combineSendRows = 0;     ///< Rows an owner can hold: G * maxNumTokens * min(K, L).
+  uint64_t combineSendRows = 0;     ///< Rows an owner may have to send (worst case): G * maxNumTokens * min(K, L).
   uint64_t combineRecvRows = 0;     ///< Rows a rank can receive: maxNumTokens * min(K, E).
-  uint64_t combineSendBytes = 0;
+  /// Combine send buffer at creation: the expected rows (derivedCombineSendRows) in 2-byte elements (bf16 / fp16).
+  /// It is local (never a write's destination), so the channel grows it when a round needs more rows or wider
+  /// elements, up to combineSendBytesMax.
+  uint64_t combineSendInitialRows = 0;
+  uint64_t combineSendBytes = 0;     ///< Initial bytes of the combine send buffer.
+  uint64_t combineSendBytesMax = 0;  ///< combineSendRows * combineRowBytesMax: what fixed sizing would take.
   uint64_t combineRecvBytes = 0;
   Layout layout = Layout::kBatched;  ///< Output layout (where unpacked rows go).
   uint32_t expertPadding = 1;
@@ -107,6 +112,11 @@ struct ProtocolSizes {
 /// given rank with probability about K * L / E = K / W), plus a quarter and 4 entries of margin, at most
 /// maxSendTokens.
 uint32_t derivedPrivateTokens(const Config& config);
+
+/// The combine send rows an owner expects per round: G * maxNumTokens * K / W (each routed expert is one of this
+/// rank's L with probability L / E = 1 / W), plus a quarter and 4 rows of margin, at most the worst case
+/// G * maxNumTokens * min(K, L).
+uint64_t derivedCombineSendRows(const Config& config);
 
 /// Sizes for `config`; privateTokens < 0 means EPCOMM_PRIVATE_TOKENS, and when that is also < 0 the derived
 /// default. Throws kInvalidConfig when the world is too large for the immediate tags.

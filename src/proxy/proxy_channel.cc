@@ -82,17 +82,11 @@ ProxyChannel::ProxyChannel(const Config& config, Bootstrap& bootstrap, const Cha
   bootstrap.broadcast(&id, sizeof(id), 0);
   objectId_ = id;
 
-  auto alloc = [](uint64_t bytes) {
-    const uint64_t rounded = roundUpPow2(std::max<uint64_t>(bytes, 1), 4096);
-    uint8_t* p = static_cast<uint8_t*>(std::aligned_alloc(4096, rounded));
-    EPCOMM_CHECK(p != nullptr, kSystem, "cannot allocate " << rounded << " bytes of host/proxy buffers");
-    std::memset(p, 0, rounded);
-    return std::unique_ptr<uint8_t, FreeBytes>(p);
-  };
-  sendBuf_ = alloc(sizes_.sendBytes);
-  recvBuf_ = alloc(sizes_.recvBytes);
-  combineSendBuf_ = alloc(sizes_.combineSendBytes);
-  combineRecvBuf_ = alloc(sizes_.combineRecvBytes);
+  sendBuf_ = allocBytes(sizes_.sendBytes);
+  recvBuf_ = allocBytes(sizes_.recvBytes);
+  combineSendCapacity_ = roundUpPow2(std::max<uint64_t>(sizes_.combineSendBytes, 1), 4096);
+  combineSendBuf_ = allocBytes(combineSendCapacity_);
+  combineRecvBuf_ = allocBytes(sizes_.combineRecvBytes);
 
   fabric::EngineOptions eo;
   eo.provider = !options.provider.empty() ? options.provider : env().fabricProvider;
@@ -102,8 +96,7 @@ ProxyChannel::ProxyChannel(const Config& config, Bootstrap& bootstrap, const Cha
   engine_ = fabric::TransferEngine::create(eo);
   sendMr_ = engine_->registerMemory(sendBuf_.get(), roundUpPow2(std::max<uint64_t>(sizes_.sendBytes, 1), 4096));
   recvMr_ = engine_->registerMemory(recvBuf_.get(), roundUpPow2(std::max<uint64_t>(sizes_.recvBytes, 1), 4096));
-  combineSendMr_ =
-      engine_->registerMemory(combineSendBuf_.get(), roundUpPow2(std::max<uint64_t>(sizes_.combineSendBytes, 1), 4096));
+  combineSendMr_ = engine_->registerMemory(combineSendBuf_.get(), combineSendCapacity_);
   combineRecvMr_ =
       engine_->registerMemory(combineRecvBuf_.get(), roundUpPow2(std::max<uint64_t>(sizes_.combineRecvBytes, 1), 4096));
 
@@ -154,7 +147,38 @@ ProxyChannel::~ProxyChannel() {
 std::string ProxyChannel::providerName() const { return engine_->providerName(); }
 
 uint64_t ProxyChannel::bufferBytes() const {
-  return sizes_.sendBytes + sizes_.recvBytes + sizes_.combineSendBytes + sizes_.combineRecvBytes;
+  return sizes_.sendBytes + sizes_.recvBytes + combineSendCapacity_ + sizes_.combineRecvBytes;
+}
+
+std::unique_ptr<uint8_t, ProxyChannel::FreeBytes> ProxyChannel::allocBytes(uint64_t bytes) {
+  const uint64_t rounded = roundUpPow2(std::max<uint64_t>(bytes, 1), 4096);
+  uint8_t* p = static_cast<uint8_t*>(std::aligned_alloc(4096, rounded));
+  EPCOMM_CHECK(p != nullptr, kSystem, "cannot allocate " << rounded << " bytes of host/proxy buffers");
+  std::memset(p, 0, rounded);
+  return std::unique_ptr<uint8_t, FreeBytes>(p);
+}
+
+uint8_t* ProxyChannel::combineSendBufferFor(uint64_t rowBytes) {
+  rethrowIfBroken();
+  uint64_t rows = 0;
+  for (uint32_t g = 0; g < sizes_.numDpGroups(); ++g) rows += layout_.combineRows(rank_, g);
+  const uint64_t needed = rows * rowBytes;
+  if (needed <= combineSendCapacity_) return combineSendBuf_.get();
+  // A quarter more than this round needs, so that routing that drifts upwards does not regrow every round; never
+  // beyond the worst case at this row size.
+  const uint64_t worst = sizes_.combineSendRows * rowBytes;
+  const uint64_t capacity = roundUpPow2(std::max(needed, std::min(needed + needed / 4, worst)), 4096);
+  EPCOMM_LOG(kInfo, "proxy channel: object " << objectId_ << " rank " << rank_ << " grows the combine send buffer from "
+                                             << combineSendCapacity_ << " to " << capacity << " bytes (" << rows
+                                             << " rows of " << rowBytes << " bytes)");
+  // The old registration goes first: nothing reads it (see the header) and both need not be pinned at once.
+  combineSendMr_.reset();
+  combineSendBuf_.reset();
+  combineSendCapacity_ = 0;
+  combineSendBuf_ = allocBytes(capacity);
+  combineSendMr_ = engine_->registerMemory(combineSendBuf_.get(), capacity);
+  combineSendCapacity_ = capacity;
+  return combineSendBuf_.get();
 }
 
 const uint8_t* ProxyChannel::entry(uint32_t s, uint32_t j) const {

@@ -67,7 +67,7 @@ class ProxyChannel {
   uint32_t objectId() const { return objectId_; }
   std::string providerName() const;
   int64_t timeoutMs() const { return timeoutMs_; }
-  /// Bytes of registered host memory (all four buffers).
+  /// Bytes of registered host memory (all four buffers; the combine send buffer at its current capacity).
   uint64_t bufferBytes() const;
 
   /// Send slot for destination p (sizes().sendSlotBytes): head, then entries. Written by the device side before
@@ -78,6 +78,10 @@ class ProxyChannel {
   /// Raw buffers for the device side (layouts in ProtocolSizes / RoundLayout).
   const uint8_t* recvBuffer() const { return recvBuf_.get(); }
   uint8_t* combineSendBuffer() { return combineSendBuf_.get(); }
+  /// The combine send buffer, grown first (reallocated and re-registered, contents dropped) when the last
+  /// dispatch's rows at rowBytes each do not fit. Call between waitDispatch() and postCombine() only: then no
+  /// operation reads the buffer (the previous combine waited for its writes).
+  uint8_t* combineSendBufferFor(uint64_t rowBytes);
   const uint8_t* combineRecvBuffer() const { return combineRecvBuf_.get(); }
   /// The layout of the last completed dispatch (after waitDispatch()).
   const RoundLayout& layout() const { return layout_; }
@@ -132,7 +136,10 @@ class ProxyChannel {
   struct FreeBytes {
     void operator()(uint8_t* p) const;
   };
+  // Page-aligned, zeroed, at least one page.
+  static std::unique_ptr<uint8_t, FreeBytes> allocBytes(uint64_t bytes);
   std::unique_ptr<uint8_t, FreeBytes> sendBuf_, recvBuf_, combineSendBuf_, combineRecvBuf_;
+  uint64_t combineSendCapacity_ = 0;  // bytes of combineSendBuf_ (registered); grows, never shrinks
   std::unique_ptr<fabric::TransferEngine> engine_;
   std::unique_ptr<fabric::MemoryRegion> sendMr_, recvMr_, combineSendMr_, combineRecvMr_;
   std::vector<fabric::PeerId> peerIds_;                           // by rank (self: unused)

@@ -62,6 +62,15 @@ TEST(ProxyProtocol, SizesFollowTheConfig) {
   big.expertsPerToken = 8;
   EXPECT_EQ(derivedPrivateTokens(big), 16u + 4u + 4u);
   EXPECT_EQ(derivedPrivateTokens(smallConfig(2, 1, 0)), 8u);
+  // Combine send: expected rows (G x T x K / W + 25% + 4) in 2-byte elements at creation, the worst case in fp32
+  // only as the bound of growth. 64 ranks, 128 tokens, K = 8 of 256 experts: 128 x 64 x 8 / 64 = 1024 expected.
+  const ProtocolSizes b = computeSizes(big, -1);
+  EXPECT_EQ(b.combineSendInitialRows, 1024u + 256u + 4u);
+  EXPECT_EQ(b.combineSendRows, 64u * 128u * 4u);  // G x T x min(K, L = 4)
+  EXPECT_EQ(b.combineSendBytes, b.combineSendInitialRows * big.hiddenDim * 2);
+  EXPECT_EQ(b.combineSendBytesMax, b.combineSendRows * big.hiddenDim * 4);
+  EXPECT_EQ(derivedCombineSendRows(smallConfig(1, 1, 0)), computeSizes(smallConfig(1, 1, 0), -1).combineSendRows)
+      << "capped at the worst case";
 }
 
 TEST(ProxyProtocol, RoundLayoutOffsets) {

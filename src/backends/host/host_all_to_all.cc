@@ -79,7 +79,8 @@ void HostAllToAll::combine(const CombineArgs& args) {
     EPCOMM_CHECK(state_ == State::kDispatched, kInvalidArgument,
                  "host backend rank " << config_.rank << ": combine send while the object is '" << stateName(state_)
                                       << "' (combine follows a completed dispatch)");
-    CombineSendParams params{&s, &channel_->layout(), &args, checked, channel_->combineSendBuffer()};
+    const uint64_t rowBytes = static_cast<uint64_t>(config_.hiddenDim) * dtypeSize(args.expertY.dtype);
+    CombineSendParams params{&s, &channel_->layout(), &args, checked, channel_->combineSendBufferFor(rowBytes)};
     combineSendKernel(params);
     yDtype_ = args.expertY.dtype;
     channel_->postCombine(yDtype_);
@@ -139,8 +140,10 @@ std::vector<PlannedBuffer> planHost(const Config& config) {
                   W + " private areas x " + std::to_string(s.privateTokens) + " tokens (EPCOMM_PRIVATE_TOKENS) + " +
                       std::to_string(s.overflowEntries) + " overflow entries"});
   plan.push_back({"host", "combine send", mem, s.combineSendBytes,
-                  std::to_string(s.combineSendRows) + " rows x " + std::to_string(s.combineRowBytesMax) +
-                      " B (G x T x min(K, L), fp32 capacity)"});
+                  std::to_string(s.combineSendInitialRows) + " rows x " + std::to_string(config.hiddenDim) +
+                      " x 2 B (expected G x T x K / W + 25% + 4, bf16); grows on demand up to " +
+                      std::to_string(s.combineSendRows) +
+                      " rows (G x T x min(K, L)) x fp32 = " + std::to_string(s.combineSendBytesMax) + " B"});
   plan.push_back({"host", "combine receive", mem, s.combineRecvBytes,
                   std::to_string(s.combineRecvRows) + " rows x " + std::to_string(s.combineRowBytesMax) +
                       " B (T x K, fp32 capacity)"});
