@@ -733,10 +733,10 @@ class Bench {
   }
 
   void printHeader() {
-    const char* blocks = std::getenv("EPCOMM_NVLINK_BLOCKS");
+    const int blocks = env().nvlinkBlocks;
     std::printf("# epcomm-bench  backend=%s world=%d dp=%d iters=%d warmup=%d barrier=%s blocks=%s rev=%s machine=%s\n",
                 o_.backend.c_str(), world_, o_.dp, o_.iters, o_.warmup, shm_ != nullptr ? o_.barrier.c_str() : "tcp",
-                blocks != nullptr ? blocks : "auto", gitRev(o_).c_str(), machine_.c_str());
+                blocks > 0 ? std::to_string(blocks).c_str() : "auto", gitRev(o_).c_str(), machine_.c_str());
     std::printf(
         "# times in us (median, max over ranks); GB/s = cross-rank payload bytes per rank per direction / time\n");
     std::printf("%-8s %6s %5s | %9s %9s | %8s %8s %8s %8s | %8s %8s | %8s %9s | %8s %8s\n", "config", "tokens", "graph",
@@ -772,10 +772,9 @@ class Bench {
       << ",\"nccl_pplx_us\":" << jnum(m.ncclPplx) << ",\"dispatch_bytes_per_rank\":" << static_cast<uint64_t>(bytes)
       << ",\"pplx_bytes_rank0\":" << bytesPplx << ",\"combine_bytes_rank0\":" << combineBytes
       << ",\"buffer_bytes\":" << bufBytes << ",\"barrier\":\"" << (shm_ != nullptr ? o_.barrier : "tcp")
-      << "\",\"nvlink_blocks_env\":\""
-      << (std::getenv("EPCOMM_NVLINK_BLOCKS") ? std::getenv("EPCOMM_NVLINK_BLOCKS") : "") << "\",\"iters\":" << o_.iters
-      << ",\"warmup\":" << o_.warmup << ",\"rev\":\"" << gitRev(o_) << "\",\"machine\":\"" << machine_
-      << "\",\"date\":\"" << date << "\"}\n";
+      << "\",\"nvlink_blocks_env\":\"" << (env().nvlinkBlocks > 0 ? std::to_string(env().nvlinkBlocks) : std::string())
+      << "\",\"iters\":" << o_.iters << ",\"warmup\":" << o_.warmup << ",\"rev\":\"" << gitRev(o_)
+      << "\",\"machine\":\"" << machine_ << "\",\"date\":\"" << date << "\"}\n";
     if (!o_.json.empty()) std::ofstream(o_.json, std::ios::app) << f.str();
     if (hostMode_) hostJson_.push_back(f.str());
   }
@@ -930,7 +929,7 @@ int main(int argc, char** argv) {
   try {
     epcomm::Options o = epcomm::parse(argc, argv);
     if (std::getenv("EPBENCH_CHILD") == nullptr) return epcomm::launcher(argc, argv, o);
-    if (o.world <= 0) o.world = std::atoi(std::getenv("EPCOMM_WORLD_SIZE"));
+    if (o.world <= 0) o.world = epcomm::env().worldSize;
     std::unique_ptr<epcomm::Bootstrap> bs = epcomm::createBootstrapFromEnv();
     epcomm::Bench(o, *bs).run();
     return 0;
