@@ -47,6 +47,15 @@ void checkHostRange(const void* data, size_t bytes) {
   }
 }
 
+void checkRegisterRange(const void* data, size_t bytes, MemoryKind kind) {
+  if (kind == MemoryKind::kHost) {
+    checkHostRange(data, bytes);
+  } else {
+    EPCOMM_CHECK(data != nullptr && bytes > 0, kInvalidArgument,
+                 "registerMemory: empty or null CUDA range " << data << " +" << bytes);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // MemoryDesc wire format: magic, version, numNics, addr, size, keys[kMaxNics], crc (FNV-1a 32 of the rest).
 
@@ -190,6 +199,39 @@ uint64_t EngineBase::immCount(uint32_t imm) const {
 void EngineBase::deliverMessage(uint64_t srcHash, const uint8_t* data, size_t bytes) {
   std::lock_guard<std::mutex> lock(msgMu_);
   messages_[srcHash].emplace_back(data, data + bytes);
+}
+
+bool EngineBase::armOp(const std::shared_ptr<OpState>& op, int pieces) {
+  op->pending.store(pieces, std::memory_order_release);
+  if (pieces > 0) return true;
+  finishOp(op);
+  return false;
+}
+
+std::vector<uint8_t> EngineBase::frameMessage(const void* data, size_t bytes) const {
+  std::vector<uint8_t> out(kMsgHeader + bytes);
+  const uint32_t len32 = static_cast<uint32_t>(bytes);
+  std::memcpy(out.data(), &selfHash_, 8);
+  std::memcpy(out.data() + 8, &len32, 4);
+  if (bytes > 0) std::memcpy(out.data() + kMsgHeader, data, bytes);
+  return out;
+}
+
+void EngineBase::deliverFramed(const uint8_t* buf, size_t received) {
+  if (received < kMsgHeader) return;
+  uint64_t src;
+  uint32_t len;
+  std::memcpy(&src, buf, 8);
+  std::memcpy(&len, buf + 8, 4);
+  if (kMsgHeader + len <= received) deliverMessage(src, buf + kMsgHeader, len);
+}
+
+void EngineBase::sealDesc(MemoryDesc& desc, const void* data, size_t bytes) const {
+  desc.addr = reinterpret_cast<uint64_t>(data);
+  desc.size = bytes;
+  desc.numNics = static_cast<uint32_t>(numNics_);
+  std::vector<uint8_t> wire = desc.serialize();
+  std::memcpy(&desc.checksum, wire.data() + wire.size() - 4, 4);
 }
 
 void EngineBase::recordError(ErrorCode code, const std::string& message) {
@@ -505,6 +547,8 @@ void EngineBase::pagedWrite(PeerId peer, const MemoryRegion& src, uint64_t srcOf
 // Progress thread.
 
 void EngineBase::startProgress() {
+  std::vector<uint8_t> addr = address();
+  selfHash_ = fnv1a64(addr.data(), addr.size());
   progress_ = std::thread([this] { progressLoop(); });
   if (options_.progressCpu >= 0) {
     cpu_set_t set;

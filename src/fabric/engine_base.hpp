@@ -32,6 +32,48 @@ uint64_t fnv1a64(const void* data, size_t bytes, uint64_t seed = 146959810393466
 /// register lazily (tcp, shm) would accept an unmapped range and fail later, far from the cause.
 void checkHostRange(const void* data, size_t bytes);
 
+/// registerMemory's argument checks shared by the engines: host ranges go through checkHostRange; CUDA ranges
+/// (which mincore cannot vet) must at least be non-null and non-empty. Throws kInvalidArgument.
+void checkRegisterRange(const void* data, size_t bytes, MemoryKind kind);
+
+/// The peers an engine added, indexed by PeerId. Entry is the transport's per-peer state and carries
+/// `uint64_t hash` (fingerprint of the peer's address). Every access holds the table's mutex.
+template <typename Entry>
+class PeerTable {
+ public:
+  /// Number of peers added so far.
+  size_t size() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return entries_.size();
+  }
+  /// Address fingerprint of a peer; std::out_of_range for an unknown one (callers check size() first).
+  uint64_t hash(PeerId peer) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return entries_.at(peer).hash;
+  }
+  /// Appends a peer and returns its PeerId.
+  PeerId add(Entry entry) {
+    std::lock_guard<std::mutex> lock(mu_);
+    entries_.push_back(std::move(entry));
+    return static_cast<PeerId>(entries_.size() - 1);
+  }
+  /// Runs fn(entries) with the mutex held and returns its result; fn must not use the table itself.
+  template <typename Fn>
+  auto locked(Fn&& fn) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return fn(static_cast<const std::vector<Entry>&>(entries_));
+  }
+  template <typename Fn>
+  auto locked(Fn&& fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return fn(entries_);
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<Entry> entries_;
+};
+
 /// State of one user-visible operation (write, one scatter member, ...). Shared by its pieces; finished once.
 struct OpState {
   Completion done;
@@ -97,6 +139,14 @@ class EngineBase : public TransferEngine {
     bool imm = false;
   };
 
+  /// Operations whose last piece completed under a NIC lock; reported through finishOp once the lock is dropped.
+  using Finished = std::vector<std::shared_ptr<OpState>>;
+
+  /// Control messages travel as a 16-byte header (uint64 sender hash, uint32 length, uint32 reserved) followed by
+  /// at most kMaxMessage bytes of payload.
+  static constexpr size_t kMsgHeader = 16;
+  static constexpr size_t kMaxMessage = 4096;
+
   /// Resolves desc for peer (checks the NIC count and that the peer exists).
   virtual Target makeTarget(PeerId peer, const MemoryDesc& desc) = 0;
   /// Posts plan[nic] for every NIC (plan.size() == numNics). `src` may be null when no chunk has data.
@@ -113,16 +163,28 @@ class EngineBase : public TransferEngine {
   std::shared_ptr<OpState> newOp(PeerId peer, const char* what, Completion done);
   /// Reports the op (once): counter/callback, and records a failure in the engine.
   void finishOp(const std::shared_ptr<OpState>& op);
+  /// Sets op's piece count before any piece is posted (so no completion can finish it early). An op with no pieces
+  /// is finished here; returns false then, as there is nothing to post.
+  bool armOp(const std::shared_ptr<OpState>& op, int pieces);
   /// Receive side: one immediate piece with value imm arrived.
   void countImm(uint32_t imm);
   /// Receive side: a control message from the peer whose address hash is srcHash.
   void deliverMessage(uint64_t srcHash, const uint8_t* data, size_t bytes);
+  /// Send side: header (selfHash_, bytes) and payload of a control message, ready to post.
+  std::vector<uint8_t> frameMessage(const void* data, size_t bytes) const;
+  /// Receive side: delivers the framed message in buf[0, received) (see frameMessage); a message shorter than its
+  /// header or than the length it announces is dropped.
+  void deliverFramed(const uint8_t* buf, size_t received);
+  /// Completes a registration's descriptor: addr, size and numNics (the engine has set keys[]), then the checksum
+  /// that MemoryDesc::deserialize verifies.
+  void sealDesc(MemoryDesc& desc, const void* data, size_t bytes) const;
   /// Records the first engine error (sticky).
   void recordError(ErrorCode code, const std::string& message);
   bool hasError() const { return hasError_.load(std::memory_order_acquire); }
   [[noreturn]] void throwRecorded();
 
-  /// Starts the progress thread (call at the end of the engine's constructor); stopProgress in its destructor.
+  /// Call at the end of the engine's constructor, once address() works: fixes selfHash_ from the address and
+  /// starts the progress thread. stopProgress in the engine's destructor.
   void startProgress();
   void stopProgress();
 
@@ -133,6 +195,7 @@ class EngineBase : public TransferEngine {
   void checkTargetRange(const Target& t, const MemoryRegion* src, const std::vector<Chunk>& chunks) const;
 
   EngineOptions options_;
+  uint64_t selfHash_ = 0;  ///< fnv1a64 of this engine's address(), the sender identity in control messages.
   int numNics_ = 1;
   int64_t timeoutMs_ = 10000;
   uint32_t piecesPerImm_ = 1;

@@ -26,8 +26,6 @@ namespace fabric {
 namespace {
 
 constexpr uint32_t kFiApiVersion = FI_VERSION(1, 14);
-constexpr size_t kMaxMessage = 4096;
-constexpr size_t kMsgHeader = 16;  // uint64 sender hash, uint32 length, uint32 reserved
 constexpr int kRecvBuffers = 64;
 constexpr int kCqBatch = 32;
 constexpr uint32_t kAddrMagic = 0x41465045;  // "EPFA"
@@ -290,9 +288,6 @@ LibfabricEngine::LibfabricEngine(const EngineOptions& options) : EngineBase(opti
     throw;
   }
   fi_freeinfo(list);
-  // Our own address blob; its hash identifies us in control messages.
-  std::vector<uint8_t> addr = address();
-  selfHash_ = fnv1a64(addr.data(), addr.size());
   EPCOMM_LOG(kInfo, "libfabric engine: provider " << prov_ << ", " << numNics_ << " endpoint(s), mr_mode"
                                                   << (virtAddr_ ? " virt_addr" : "") << (mrLocal_ ? " local" : "")
                                                   << (provKey_ ? " prov_key" : "") << (mrEndpoint_ ? " endpoint" : "")
@@ -445,56 +440,38 @@ PeerId LibfabricEngine::addPeer(const std::vector<uint8_t>& address) {
                "addPeer: the peer uses another libfabric provider than " << prov_);
   PeerEntry entry;
   entry.hash = fnv1a64(address.data(), address.size());
-  std::lock_guard<std::mutex> plock(peersMu_);
-  for (int n = 0; n < numNics_; ++n) {
-    uint32_t len = get32();
-    EPCOMM_CHECK(pos + len + 16 <= address.size(), kInvalidArgument, "addPeer: truncated address for NIC " << n);
-    std::lock_guard<SpinThenBlockMutex> lock(nics_[n]->mu);
-    int rc = fi_av_insert(nics_[n]->av, address.data() + pos, 1, &entry.addrs[n], 0, nullptr);
-    EPCOMM_CHECK(
-        rc == 1, kFabric,
-        "fi_av_insert (NIC " << n << ", provider " << prov_ << ") failed: " << (rc < 0 ? fiErr(rc) : "0 inserted"));
-    pos += len;
-    std::memcpy(&entry.sinkAddr[n], address.data() + pos, 8);
-    std::memcpy(&entry.sinkKey[n], address.data() + pos + 8, 8);
-    pos += 16;
-  }
-  peers_.push_back(entry);
-  return static_cast<PeerId>(peers_.size() - 1);
-}
-
-size_t LibfabricEngine::numPeers() const {
-  std::lock_guard<std::mutex> lock(peersMu_);
-  return peers_.size();
-}
-
-uint64_t LibfabricEngine::peerHash(PeerId peer) const {
-  std::lock_guard<std::mutex> lock(peersMu_);
-  return peers_.at(peer).hash;
-}
-
-fi_addr_t LibfabricEngine::peerAddr(PeerId peer, int nic) const {
-  std::lock_guard<std::mutex> lock(peersMu_);
-  EPCOMM_CHECK(peer < peers_.size(), kInvalidArgument, "unknown peer " << peer << " (" << peers_.size() << " added)");
-  return peers_[peer].addrs[nic];
+  // Locked across the AV inserts: concurrent addPeers run one at a time, each inserting on every NIC before the next.
+  return peers_.locked([&](std::vector<PeerEntry>& peers) {
+    for (int n = 0; n < numNics_; ++n) {
+      uint32_t len = get32();
+      EPCOMM_CHECK(pos + len + 16 <= address.size(), kInvalidArgument, "addPeer: truncated address for NIC " << n);
+      std::lock_guard<SpinThenBlockMutex> lock(nics_[n]->mu);
+      int rc = fi_av_insert(nics_[n]->av, address.data() + pos, 1, &entry.addrs[n], 0, nullptr);
+      EPCOMM_CHECK(
+          rc == 1, kFabric,
+          "fi_av_insert (NIC " << n << ", provider " << prov_ << ") failed: " << (rc < 0 ? fiErr(rc) : "0 inserted"));
+      pos += len;
+      std::memcpy(&entry.sinkAddr[n], address.data() + pos, 8);
+      std::memcpy(&entry.sinkKey[n], address.data() + pos + 8, 8);
+      pos += 16;
+    }
+    peers.push_back(entry);
+    return static_cast<PeerId>(peers.size() - 1);
+  });
 }
 
 LibfabricEngine::PeerEntry LibfabricEngine::peerEntry(PeerId peer) const {
-  std::lock_guard<std::mutex> lock(peersMu_);
-  EPCOMM_CHECK(peer < peers_.size(), kInvalidArgument, "unknown peer " << peer << " (" << peers_.size() << " added)");
-  return peers_[peer];
+  return peers_.locked([&](const std::vector<PeerEntry>& peers) {
+    EPCOMM_CHECK(peer < peers.size(), kInvalidArgument, "unknown peer " << peer << " (" << peers.size() << " added)");
+    return peers[peer];
+  });
 }
 
 std::unique_ptr<MemoryRegion> LibfabricEngine::registerMemory(void* data, size_t bytes, MemoryKind kind, int device) {
-  if (kind == MemoryKind::kCuda) {
-    EPCOMM_CHECK(hmem_, kUnavailable,
-                 "registerMemory: libfabric provider " << prov_ << " cannot register CUDA memory (no FI_HMEM support "
-                                                       << "in this libfabric build): stage through pinned host memory");
-    EPCOMM_CHECK(data != nullptr && bytes > 0, kInvalidArgument,
-                 "registerMemory: empty or null CUDA range " << data << " +" << bytes);
-  } else {
-    checkHostRange(data, bytes);
-  }
+  EPCOMM_CHECK(kind != MemoryKind::kCuda || hmem_, kUnavailable,
+               "registerMemory: libfabric provider " << prov_ << " cannot register CUDA memory (no FI_HMEM support "
+                                                     << "in this libfabric build): stage through pinned host memory");
+  checkRegisterRange(data, bytes, kind);
   auto region = std::make_unique<FiRegion>(this, data, bytes);
   for (int n = 0; n < numNics_; ++n) {
     FiNic& nic = *nics_[n];
@@ -520,11 +497,7 @@ std::unique_ptr<MemoryRegion> LibfabricEngine::registerMemory(void* data, size_t
     region->desc_.keys[n] = fi_mr_key(mr);
     region->mrDesc_[n] = fi_mr_desc(mr);
   }
-  region->desc_.addr = reinterpret_cast<uint64_t>(data);
-  region->desc_.size = bytes;
-  region->desc_.numNics = static_cast<uint32_t>(numNics_);
-  std::vector<uint8_t> wire = region->desc_.serialize();
-  std::memcpy(&region->desc_.checksum, wire.data() + wire.size() - 4, 4);
+  sealDesc(region->desc_, data, bytes);
   return region;
 }
 
@@ -721,11 +694,7 @@ void LibfabricEngine::postPlan(const Target& target, const MemoryRegion* src, st
     }
     now[n] = std::move(pieces);
   }
-  op->pending.store(total, std::memory_order_release);
-  if (total == 0) {
-    finishOp(op);
-    return;
-  }
+  if (!armOp(op, total)) return;
   Finished finished;
   for (int n = 0; n < numNics_; ++n) {
     if (now[n].empty()) continue;
@@ -740,11 +709,12 @@ bool LibfabricEngine::tryInject(PeerId peer, const void* buf, size_t len, const 
                                 bool withImm, uint32_t imm, Completion& done) {
   const int n = static_cast<int>(peer % numNics_);
   PeerEntry e;
-  {
-    std::lock_guard<std::mutex> lock(peersMu_);
-    if (peer >= peers_.size()) return false;  // the slow path reports it
-    e = peers_[peer];
-  }
+  const bool known = peers_.locked([&](const std::vector<PeerEntry>& peers) {
+    if (peer >= peers.size()) return false;
+    e = peers[peer];
+    return true;
+  });
+  if (!known) return false;  // the slow path reports it
   const uint64_t raddr = len > 0 ? (virtAddr_ ? dst->addr : 0) + dstOffset : e.sinkAddr[n];
   const uint64_t key = len > 0 ? dst->keys[n] : e.sinkKey[n];
   FiNic& nic = *nics_[n];
@@ -784,12 +754,10 @@ void LibfabricEngine::write(PeerId peer, const MemoryRegion& src, uint64_t srcOf
       dst.numNics == static_cast<uint32_t>(numNics_) && dstOffset <= dst.size && length <= dst.size - dstOffset &&
       srcOffset <= src.size() && length <= src.size() - srcOffset) {
     const int n = static_cast<int>(peer % numNics_);
-    fi_addr_t dest;
-    {
-      std::lock_guard<std::mutex> lock(peersMu_);
-      EPCOMM_CHECK(peer < peers_.size(), kInvalidArgument, "write: unknown peer " << peer);
-      dest = peers_[peer].addrs[n];
-    }
+    const fi_addr_t dest = peers_.locked([&](const std::vector<PeerEntry>& peers) {
+      EPCOMM_CHECK(peer < peers.size(), kInvalidArgument, "write: unknown peer " << peer);
+      return peers[peer].addrs[n];
+    });
     auto op = newOp(peer, withImm ? "write-with-immediate" : "write", std::move(done));
     op->pending.store(1, std::memory_order_relaxed);
     auto* p = new Piece();
@@ -839,12 +807,8 @@ void LibfabricEngine::send(PeerId peer, const void* data, size_t bytes, Completi
   p->nic = n;
   p->op = op;
   p->peer = peer;
-  p->dest = peerAddr(peer, n);
-  p->msg.resize(kMsgHeader + bytes);
-  uint32_t len32 = static_cast<uint32_t>(bytes);
-  std::memcpy(p->msg.data(), &selfHash_, 8);
-  std::memcpy(p->msg.data() + 8, &len32, 4);
-  if (bytes > 0) std::memcpy(p->msg.data() + kMsgHeader, data, bytes);
+  p->dest = peerEntry(peer).addrs[n];
+  p->msg = frameMessage(data, bytes);
   p->inject = p->msg.size() <= injectSize_;
   op->pending.store(1);
   FiNic& nic = *nics_[n];
@@ -881,13 +845,7 @@ void LibfabricEngine::handleEntry(FiNic& n, const fi_cq_data_entry& e, Finished&
   if (e.op_context == nullptr || (remoteData && (e.flags & FI_RECV) == 0 && !rxCqData_)) return;
   auto* p = reinterpret_cast<Piece*>(e.op_context);
   if (p->kind == PieceKind::kRecv) {
-    if ((e.flags & FI_MSG) != 0 && !remoteData && e.len >= kMsgHeader) {
-      uint64_t src;
-      uint32_t len;
-      std::memcpy(&src, p->msg.data(), 8);
-      std::memcpy(&len, p->msg.data() + 8, 4);
-      if (kMsgHeader + len <= e.len) deliverMessage(src, p->msg.data() + kMsgHeader, len);
-    }
+    if ((e.flags & FI_MSG) != 0 && !remoteData) deliverFramed(p->msg.data(), e.len);
     ssize_t rc = postPiece(n, p);
     if (rc != 0) recordError(ErrorCode::kFabric, "fi_recv repost (provider " + prov_ + ") failed: " + fiErr(rc));
     return;

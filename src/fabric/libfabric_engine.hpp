@@ -50,11 +50,10 @@ class LibfabricEngine : public EngineBase {
   void postPlan(const Target& target, const MemoryRegion* src, std::vector<NicPlan>& plan, uint32_t imm,
                 const std::shared_ptr<OpState>& op) override;
   bool progressOnce() override;
-  size_t numPeers() const override;
-  uint64_t peerHash(PeerId peer) const override;
+  size_t numPeers() const override { return peers_.size(); }
+  uint64_t peerHash(PeerId peer) const override { return peers_.hash(peer); }
 
  private:
-  using Finished = std::vector<std::shared_ptr<OpState>>;
   struct PeerEntry {
     uint64_t hash = 0;
     fi_addr_t addrs[kMaxNics] = {FI_ADDR_UNSPEC, FI_ADDR_UNSPEC, FI_ADDR_UNSPEC, FI_ADDR_UNSPEC};
@@ -66,7 +65,6 @@ class LibfabricEngine : public EngineBase {
   static std::vector<std::string> candidates(const std::string& name);
   void openNic(FiNic& n, fi_info* info);
   void closeAll();
-  fi_addr_t peerAddr(PeerId peer, int nic) const;
   PeerEntry peerEntry(PeerId peer) const;
   bool tryInject(PeerId peer, const void* buf, size_t len, const MemoryDesc* dst, uint64_t dstOffset, bool withImm,
                  uint32_t imm, Completion& done);
@@ -89,11 +87,9 @@ class LibfabricEngine : public EngineBase {
   bool hmem_ = false;
   size_t injectSize_ = 0;
   uint64_t maxMsg_ = 1ull << 30;
-  uint64_t selfHash_ = 0;
   std::atomic<uint64_t> nextKey_{1};
   std::vector<std::unique_ptr<FiNic>> nics_;
-  mutable std::mutex peersMu_;
-  std::vector<PeerEntry> peers_;
+  PeerTable<PeerEntry> peers_;
 };
 
 }  // namespace fabric

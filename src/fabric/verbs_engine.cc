@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 #include <random>
 
@@ -22,8 +23,6 @@ constexpr int kSqDepth = 1024;
 constexpr int kSrqDepth = 512;
 constexpr int kUdRecvs = 64;
 constexpr size_t kGrh = 40;
-constexpr size_t kCtrlHeader = 16;
-constexpr size_t kCtrlMax = 4096;
 constexpr uint64_t kMaxWrite = 1ull << 30;
 constexpr int kInline = 64;
 constexpr size_t kChainMax = 256;  // work requests per ibv_post_send chain (send queue holds kSqDepth)
@@ -151,8 +150,6 @@ VerbsEngine::VerbsEngine(const EngineOptions& options) : EngineBase(options) {
     throw;
   }
   ibv_free_device_list(list);
-  std::vector<uint8_t> addr = address();
-  selfHash_ = fnv1a64(addr.data(), addr.size());
   startProgress();
 }
 
@@ -223,7 +220,7 @@ void VerbsEngine::openNic(VerbsNic& n, ibv_device* dev) {
     postRecv(n, w);
   };
   for (int i = 0; i < kUdRecvs; ++i) addRecv(VerbsWork::Kind::kUdRecv, kGrh + sizeof(ConnectMsg));
-  for (int i = 0; i < kSrqDepth - 1; ++i) addRecv(VerbsWork::Kind::kRecv, kCtrlHeader + kCtrlMax);
+  for (int i = 0; i < kSrqDepth - 1; ++i) addRecv(VerbsWork::Kind::kRecv, kMsgHeader + kMaxMessage);
 }
 
 void VerbsEngine::postRecv(VerbsNic& n, VerbsWork* w) {
@@ -241,12 +238,14 @@ void VerbsEngine::closeAll() {
   for (auto& np : nics_) {
     VerbsNic& n = *np;
     std::lock_guard<std::mutex> lock(n.mu);
-    for (auto& p : peers_) {
-      if (static_cast<size_t>(n.index) < p.qps.size() && p.qps[n.index] != nullptr) {
-        ibv_destroy_qp(p.qps[n.index]);
-        p.qps[n.index] = nullptr;
+    peers_.locked([&](std::vector<PeerEntry>& peers) {
+      for (auto& p : peers) {
+        if (static_cast<size_t>(n.index) < p.qps.size() && p.qps[n.index] != nullptr) {
+          ibv_destroy_qp(p.qps[n.index]);
+          p.qps[n.index] = nullptr;
+        }
       }
-    }
+    });
     if (n.ud != nullptr) ibv_destroy_qp(n.ud);
     if (n.srq != nullptr) ibv_destroy_srq(n.srq);
     for (VerbsWork* w : n.recvs) freeWork(w);
@@ -283,19 +282,21 @@ void VerbsEngine::closeAll() {
 std::string VerbsEngine::providerName() const { return "ibverbs:" + devName_; }
 
 std::vector<uint8_t> VerbsEngine::address() const {
-  std::vector<uint8_t> out;
-  auto put = [&](const void* p, size_t len) {
-    const auto* b = static_cast<const uint8_t*>(p);
-    out.insert(out.end(), b, b + len);
-  };
-  uint32_t hdr[3] = {kVerbsAddrMagic, static_cast<uint32_t>(numNics_), options_.shardByBytes ? 1u : 0u};
-  put(hdr, sizeof(hdr));
+  // Header (magic, NIC count, sharding mode), then one NicAddr image per NIC, which addPeer copies back.
+  // Built zero-filled at its final size and written field by field: NicAddr has two padding bytes after gid,
+  // which copying a whole NicAddr left indeterminate, yet both sides hash every byte of the address (selfHash_
+  // here, PeerEntry::hash at the peer), so separately produced copies must be identical.
+  const uint32_t hdr[3] = {kVerbsAddrMagic, static_cast<uint32_t>(numNics_), options_.shardByBytes ? 1u : 0u};
+  std::vector<uint8_t> out(sizeof(hdr) + sizeof(NicAddr) * nics_.size(), 0);
+  std::memcpy(out.data(), hdr, sizeof(hdr));
+  uint8_t* at = out.data() + sizeof(hdr);
   for (const auto& n : nics_) {
-    NicAddr a;
-    a.lid = n->portAttr.lid;
-    std::memcpy(a.gid, n->gid.raw, 16);
-    a.udQpn = n->ud->qp_num;
-    put(&a, sizeof(a));
+    const uint16_t lid = n->portAttr.lid;
+    const uint32_t udQpn = n->ud->qp_num;
+    std::memcpy(at + offsetof(NicAddr, lid), &lid, sizeof(lid));
+    std::memcpy(at + offsetof(NicAddr, gid), n->gid.raw, sizeof(NicAddr::gid));
+    std::memcpy(at + offsetof(NicAddr, udQpn), &udQpn, sizeof(udQpn));
+    at += sizeof(NicAddr);
   }
   return out;
 }
@@ -453,27 +454,11 @@ PeerId VerbsEngine::addPeer(const std::vector<uint8_t>& address) {
       if (!progressOnce()) std::this_thread::yield();
     }
   }
-  std::lock_guard<std::mutex> lock(peersMu_);
-  peers_.push_back(std::move(e));
-  return static_cast<PeerId>(peers_.size() - 1);
-}
-
-size_t VerbsEngine::numPeers() const {
-  std::lock_guard<std::mutex> lock(peersMu_);
-  return peers_.size();
-}
-
-uint64_t VerbsEngine::peerHash(PeerId peer) const {
-  std::lock_guard<std::mutex> lock(peersMu_);
-  return peers_.at(peer).hash;
+  return peers_.add(std::move(e));
 }
 
 std::unique_ptr<MemoryRegion> VerbsEngine::registerMemory(void* data, size_t bytes, MemoryKind kind, int device) {
-  if (kind == MemoryKind::kHost) {
-    checkHostRange(data, bytes);
-  } else {
-    EPCOMM_CHECK(data != nullptr && bytes > 0, kInvalidArgument, "registerMemory: empty or null CUDA range");
-  }
+  checkRegisterRange(data, bytes, kind);
   auto r = std::make_unique<VerbsRegion>();
   r->data_ = data;
   r->size_ = bytes;
@@ -496,11 +481,7 @@ std::unique_ptr<MemoryRegion> VerbsEngine::registerMemory(void* data, size_t byt
     r->mrs_.push_back(mr);
     r->desc_.keys[n] = mr->rkey;
   }
-  r->desc_.addr = reinterpret_cast<uint64_t>(data);
-  r->desc_.size = bytes;
-  r->desc_.numNics = static_cast<uint32_t>(numNics_);
-  std::vector<uint8_t> wire = r->desc_.serialize();
-  std::memcpy(&r->desc_.checksum, wire.data() + wire.size() - 4, 4);
+  sealDesc(r->desc_, data, bytes);
   return r;
 }
 
@@ -564,12 +545,10 @@ void VerbsEngine::workDone(VerbsNic& n, VerbsWork* w, const std::string& error, 
 void VerbsEngine::postPlan(const Target& target, const MemoryRegion* src, std::vector<NicPlan>& plan, uint32_t imm,
                            const std::shared_ptr<OpState>& op) {
   const auto* region = static_cast<const VerbsRegion*>(src);
-  std::vector<ibv_qp*> qps;
-  {
-    std::lock_guard<std::mutex> lock(peersMu_);
-    EPCOMM_CHECK(target.peer < peers_.size(), kInvalidArgument, "unknown peer " << target.peer);
-    qps = peers_[target.peer].qps;
-  }
+  const std::vector<ibv_qp*> qps = peers_.locked([&](const std::vector<PeerEntry>& peers) {
+    EPCOMM_CHECK(target.peer < peers.size(), kInvalidArgument, "unknown peer " << target.peer);
+    return peers[target.peer].qps;
+  });
   // One chain per NIC, cut into pieces of at most kChainMax work requests so a long paged write never exceeds
   // the send queue; each piece signals only its last request, and RC order keeps the immediate after the data.
   std::vector<std::vector<VerbsWork*>> works(numNics_);
@@ -621,11 +600,7 @@ void VerbsEngine::postPlan(const Target& target, const MemoryRegion* src, std::v
       ++total;
     }
   }
-  op->pending.store(total, std::memory_order_release);
-  if (total == 0) {
-    finishOp(op);
-    return;
-  }
+  if (!armOp(op, total)) return;
   Finished finished;
   for (int n = 0; n < numNics_; ++n) {
     if (works[n].empty()) continue;
@@ -636,15 +611,13 @@ void VerbsEngine::postPlan(const Target& target, const MemoryRegion* src, std::v
 }
 
 void VerbsEngine::send(PeerId peer, const void* data, size_t bytes, Completion done) {
-  EPCOMM_CHECK(bytes <= kCtrlMax, kInvalidArgument,
-               "send: control message of " << bytes << " bytes exceeds " << kCtrlMax);
+  EPCOMM_CHECK(bytes <= kMaxMessage, kInvalidArgument,
+               "send: control message of " << bytes << " bytes exceeds " << kMaxMessage);
   const int n = static_cast<int>(peer % numNics_);
-  ibv_qp* qp;
-  {
-    std::lock_guard<std::mutex> lock(peersMu_);
-    EPCOMM_CHECK(peer < peers_.size(), kInvalidArgument, "send: unknown peer " << peer);
-    qp = peers_[peer].qps[n];
-  }
+  ibv_qp* const qp = peers_.locked([&](const std::vector<PeerEntry>& peers) {
+    EPCOMM_CHECK(peer < peers.size(), kInvalidArgument, "send: unknown peer " << peer);
+    return peers[peer].qps[n];
+  });
   auto op = newOp(peer, "send", std::move(done));
   op->pending.store(1);
   auto* w = new VerbsWork();
@@ -653,11 +626,7 @@ void VerbsEngine::send(PeerId peer, const void* data, size_t bytes, Completion d
   w->peer = peer;
   w->op = op;
   w->qp = qp;
-  w->buf.resize(kCtrlHeader + bytes);
-  uint32_t len32 = static_cast<uint32_t>(bytes);
-  std::memcpy(w->buf.data(), &selfHash_, 8);
-  std::memcpy(w->buf.data() + 8, &len32, 4);
-  if (bytes > 0) std::memcpy(w->buf.data() + kCtrlHeader, data, bytes);
+  w->buf = frameMessage(data, bytes);
   VerbsNic& nic = *nics_[n];
   w->mr = ibv_reg_mr(nic.pd, w->buf.data(), w->buf.size(), IBV_ACCESS_LOCAL_WRITE);
   if (w->mr == nullptr) {
@@ -702,22 +671,19 @@ void VerbsEngine::handleWc(VerbsNic& n, const ibv_wc& wc, Finished& finished) {
             n.remote[m.senderHash] = {m.qpn, m.psn};
             auto local = n.local.find(m.senderHash);
             if (m.reply == 0 && local != n.local.end()) {
-              std::lock_guard<std::mutex> lock(peersMu_);
-              for (const PeerEntry& p : peers_) {
-                if (p.hash == m.senderHash)
-                  sendConnectInfo(n, p.nics[n.index], local->second.qpn, local->second.psn, true);
-              }
+              peers_.locked([&](const std::vector<PeerEntry>& peers) {
+                for (const PeerEntry& p : peers) {
+                  if (p.hash == m.senderHash)
+                    sendConnectInfo(n, p.nics[n.index], local->second.qpn, local->second.psn, true);
+                }
+              });
             }
           }
         }
       } else if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
         countImm(ntohl(wc.imm_data));
-      } else if (wc.opcode == IBV_WC_RECV && wc.byte_len >= kCtrlHeader) {
-        uint64_t src;
-        uint32_t len;
-        std::memcpy(&src, w->buf.data(), 8);
-        std::memcpy(&len, w->buf.data() + 8, 4);
-        if (kCtrlHeader + len <= wc.byte_len) deliverMessage(src, w->buf.data() + kCtrlHeader, len);
+      } else if (wc.opcode == IBV_WC_RECV) {
+        deliverFramed(w->buf.data(), wc.byte_len);
       }
       postRecv(n, w);
       return;

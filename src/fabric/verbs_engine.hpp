@@ -44,11 +44,10 @@ class VerbsEngine : public EngineBase {
   void postPlan(const Target& target, const MemoryRegion* src, std::vector<NicPlan>& plan, uint32_t imm,
                 const std::shared_ptr<OpState>& op) override;
   bool progressOnce() override;
-  size_t numPeers() const override;
-  uint64_t peerHash(PeerId peer) const override;
+  size_t numPeers() const override { return peers_.size(); }
+  uint64_t peerHash(PeerId peer) const override { return peers_.hash(peer); }
 
  private:
-  using Finished = std::vector<std::shared_ptr<OpState>>;
   struct NicAddr {
     uint16_t lid = 0;
     uint8_t gid[16] = {0};
@@ -77,10 +76,8 @@ class VerbsEngine : public EngineBase {
   int port_ = 1;
   int gidIndex_ = 0;
   int sl_ = 0;
-  uint64_t selfHash_ = 0;
   std::vector<std::unique_ptr<VerbsNic>> nics_;
-  mutable std::mutex peersMu_;
-  std::vector<PeerEntry> peers_;
+  PeerTable<PeerEntry> peers_;
 };
 
 }  // namespace fabric
