@@ -613,6 +613,7 @@ void VerbsEngine::postPlan(const Target& target, const MemoryRegion* src, std::v
 void VerbsEngine::send(PeerId peer, const void* data, size_t bytes, Completion done) {
   EPCOMM_CHECK(bytes <= kMaxMessage, kInvalidArgument,
                "send: control message of " << bytes << " bytes exceeds " << kMaxMessage);
+  EPCOMM_CHECK(bytes == 0 || data != nullptr, kInvalidArgument, "send: null data for " << bytes << " bytes");
   const int n = static_cast<int>(peer % numNics_);
   ibv_qp* const qp = peers_.locked([&](const std::vector<PeerEntry>& peers) {
     EPCOMM_CHECK(peer < peers.size(), kInvalidArgument, "send: unknown peer " << peer);
