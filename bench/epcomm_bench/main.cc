@@ -16,6 +16,9 @@
 // --backend host (or auto without a GPU): W = 4 CPU processes, its own defaults (applyHostDefaults), configurations
 // that would not fit in the machine's memory are skipped with the numbers, the JSON lines go to stdout after the table,
 // and the fabric operations per peer per round follow each row. A failing rank's message is printed by the launcher.
+// Without NCCL the baseline of the host rows is the "a2a" column (JSON fabric_a2a_us; nccl_us stays null): the
+// dispatch's bytes as one write with immediate to every peer over the same fabric provider (fabric_baseline.hpp),
+// on an engine created once per configuration, timed like dispatch (barrier, steady clock, median, max over ranks).
 #include <arpa/inet.h>
 #include <cuda_runtime.h>
 #include <fcntl.h>
@@ -54,6 +57,7 @@
 #include "shm_barrier.hpp"
 #ifdef EPCOMM_HAVE_HOST_BACKEND
 #include "backends/host/host_all_to_all.hpp"
+#include "fabric_baseline.hpp"
 #endif
 
 void epcommBenchSpin(cudaStream_t stream, unsigned nanoseconds);
@@ -210,6 +214,7 @@ struct Tensors {
 struct Measurement {
   double dispatch = -1, combine = -1, dSend = -1, dRecv = -1, cSend = -1, cRecv = -1, dDev = -1, cDev = -1;
   double nccl = -1, ncclPplx = -1;
+  double fabricA2a = -1;  // host backend: dense all-to-all of the same bytes over the same fabric provider
 };
 
 class Bench {
@@ -587,6 +592,10 @@ class Bench {
       cudaGraphExecDestroy(xc);
       cudaGraphDestroy(gd);
       cudaGraphDestroy(gc);
+    } else {
+      // No NCCL without GPUs: the baseline is the same bytes as one write per peer over the same fabric provider.
+      phase("fabric a2a");
+      eager.fabricA2a = fabricA2aTime(*a2a, perPeer, name + " T=" + std::to_string(T));
     }
     a2a->synchronize();
     std::string hostOpsLine;
@@ -719,6 +728,31 @@ class Bench {
 #endif
   }
 
+  // Host: median (max over ranks) of the dense all-to-all of `perPeer` bytes over a TransferEngine of the host
+  // backend's provider, created here once for the configuration and timed like dispatch (barrier, steady clock).
+  // The engine resolves its provider as the host backend's channel does (EPCOMM_FABRIC_PROVIDER, else the probe).
+  double fabricA2aTime(AllToAll& a2a, const std::vector<uint64_t>& perPeer, const std::string& label) {
+#ifdef EPCOMM_HAVE_HOST_BACKEND
+    bench::FabricA2aBaseline base(bs_, perPeer, env().timeoutMs, label);
+    fabricProvider_ = base.providerName();
+    if (auto* h = dynamic_cast<host::HostAllToAll*>(&a2a); h != nullptr && rank_ == 0) {
+      if (h->providerName() != fabricProvider_) {
+        std::fprintf(stderr, "note %s: the a2a baseline runs on provider %s, the host backend on %s\n", label.c_str(),
+                     fabricProvider_.c_str(), h->providerName().c_str());
+      }
+    }
+    // Timed: post, then every peer's data has arrived; the local completions of the writes (their sources may be
+    // reused) are awaited after the clock stops, as dispatch leaves its own to the proxy thread. agree() gathers
+    // after every rank's last round completed, so the engines may go away after it.
+    return agree(timeIt([&] { base.run(); }, false, [&] { base.drain(); }));
+#else
+    (void)a2a;
+    (void)perPeer;
+    (void)label;
+    return -1;
+#endif
+  }
+
   static std::string num(double v) {
     if (v < 0) return "n/a";
     char b[32];
@@ -739,9 +773,14 @@ class Bench {
                 blocks > 0 ? std::to_string(blocks).c_str() : "auto", gitRev(o_).c_str(), machine_.c_str());
     std::printf(
         "# times in us (median, max over ranks); GB/s = cross-rank payload bytes per rank per direction / time\n");
+    if (hostMode_) {
+      std::printf(
+          "# host: no NCCL; the a2a column is the baseline: a dense all-to-all of the same bytes (one write with "
+          "immediate to every peer, wait for every peer's) over the same fabric provider, timed like dispatch\n");
+    }
     std::printf("%-8s %6s %5s | %9s %9s | %8s %8s %8s %8s | %8s %8s | %8s %9s | %8s %8s\n", "config", "tokens", "graph",
-                "dispatch", "combine", "d.send", "d.recv", "c.send", "c.recv", "d.dev", "c.dev", "nccl", "nccl.pplx",
-                "d.GB/s", "c.GB/s");
+                "dispatch", "combine", "d.send", "d.recv", "c.send", "c.recv", "d.dev", "c.dev",
+                hostMode_ ? "a2a" : "nccl", "nccl.pplx", "d.GB/s", "c.GB/s");
     std::fflush(stdout);
   }
 
@@ -753,7 +792,8 @@ class Bench {
                 isGraph ? "yes" : "no", num(m.dispatch).c_str(), num(m.combine).c_str(),
                 isGraph ? "-" : num(m.dSend).c_str(), isGraph ? "-" : num(m.dRecv).c_str(),
                 isGraph ? "-" : num(m.cSend).c_str(), isGraph ? "-" : num(m.cRecv).c_str(), num(m.dDev).c_str(),
-                num(m.cDev).c_str(), num(m.nccl).c_str(), num(m.ncclPplx).c_str(), num(dGb).c_str(), num(cGb).c_str());
+                num(m.cDev).c_str(), num(hostMode_ ? m.fabricA2a : m.nccl).c_str(), num(m.ncclPplx).c_str(),
+                num(dGb).c_str(), num(cGb).c_str());
     std::fflush(stdout);
     if (o_.json.empty() && !hostMode_) return;
     // Host: the JSON lines also go to stdout, after the table (hostJson_), as the issue asks of the main job.
@@ -769,12 +809,15 @@ class Bench {
       << ",\"combine_send_us\":" << jnum(isGraph ? -1 : m.cSend)
       << ",\"combine_recv_us\":" << jnum(isGraph ? -1 : m.cRecv) << ",\"dispatch_device_us\":" << jnum(m.dDev)
       << ",\"combine_device_us\":" << jnum(m.cDev) << ",\"nccl_us\":" << jnum(m.nccl)
-      << ",\"nccl_pplx_us\":" << jnum(m.ncclPplx) << ",\"dispatch_bytes_per_rank\":" << static_cast<uint64_t>(bytes)
-      << ",\"pplx_bytes_rank0\":" << bytesPplx << ",\"combine_bytes_rank0\":" << combineBytes
-      << ",\"buffer_bytes\":" << bufBytes << ",\"barrier\":\"" << (shm_ != nullptr ? o_.barrier : "tcp")
-      << "\",\"nvlink_blocks_env\":\"" << (env().nvlinkBlocks > 0 ? std::to_string(env().nvlinkBlocks) : std::string())
-      << "\",\"iters\":" << o_.iters << ",\"warmup\":" << o_.warmup << ",\"rev\":\"" << gitRev(o_)
-      << "\",\"machine\":\"" << machine_ << "\",\"date\":\"" << date << "\"}\n";
+      << ",\"nccl_pplx_us\":" << jnum(m.ncclPplx);
+    if (hostMode_)
+      f << ",\"fabric_a2a_us\":" << jnum(m.fabricA2a) << ",\"fabric_provider\":\"" << fabricProvider_ << "\"";
+    f << ",\"dispatch_bytes_per_rank\":" << static_cast<uint64_t>(bytes) << ",\"pplx_bytes_rank0\":" << bytesPplx
+      << ",\"combine_bytes_rank0\":" << combineBytes << ",\"buffer_bytes\":" << bufBytes << ",\"barrier\":\""
+      << (shm_ != nullptr ? o_.barrier : "tcp") << "\",\"nvlink_blocks_env\":\""
+      << (env().nvlinkBlocks > 0 ? std::to_string(env().nvlinkBlocks) : std::string()) << "\",\"iters\":" << o_.iters
+      << ",\"warmup\":" << o_.warmup << ",\"rev\":\"" << gitRev(o_) << "\",\"machine\":\"" << machine_
+      << "\",\"date\":\"" << date << "\"}\n";
     if (!o_.json.empty()) std::ofstream(o_.json, std::ios::app) << f.str();
     if (hostMode_) hostJson_.push_back(f.str());
   }
@@ -785,6 +828,7 @@ class Bench {
   int rank_ = 0, world_ = 1;
   bool hostMode_ = false;
   std::vector<std::string> hostJson_;  // host: JSON lines printed after the table
+  std::string fabricProvider_;         // host: provider of the fabric all-to-all baseline
   cudaStream_t stream_ = nullptr;
   std::string gpuName_ = "cpu", machine_;
 #ifdef EPCOMM_BENCH_HAVE_NCCL
