@@ -911,7 +911,7 @@ int launcher(int argc, char** argv, const Options& o) {
   // past that is stuck and is killed, so the launcher never hangs.
   const int64_t graceMs = 3 * env().timeoutMs + 10000;
   int failed = 0, firstFailed = -1, alive = world;
-  std::vector<bool> done(world, false);
+  std::vector<bool> done(world, false), killedByUs(world, false);
   auto firstFailure = std::chrono::steady_clock::time_point{};
   while (alive > 0) {
     bool reaped = false;
@@ -942,6 +942,8 @@ int launcher(int argc, char** argv, const Options& o) {
       }
       if (!msg.empty()) {
         line << ": " << msg;
+      } else if (killedByUs[r]) {
+        line << ": killed by the launcher after rank " << firstFailed << " failed";
       } else if (got > 0 && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL) {
         line << ": no message; SIGKILL from outside is usually the kernel's out-of-memory killer (see dmesg)";
       } else {
@@ -952,12 +954,12 @@ int launcher(int argc, char** argv, const Options& o) {
     if (alive == 0) break;
     if (firstFailed >= 0 && std::chrono::steady_clock::now() - firstFailure > std::chrono::milliseconds(graceMs)) {
       for (int r = 0; r < world; ++r) {
-        if (done[r]) continue;
+        if (done[r] || killedByUs[r]) continue;
         std::cerr << "epcomm-bench: rank " << r << " still running " << graceMs / 1000 << " s after rank "
                   << firstFailed << " failed: killing it\n";
         kill(kids[r], SIGKILL);
+        killedByUs[r] = true;  // the loop reaps it as failed
       }
-      firstFailed = world;  // report once; the loop reaps them as failed
     }
     if (!reaped) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
