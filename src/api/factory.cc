@@ -1,6 +1,9 @@
+#include <unistd.h>
+
 #include <cstring>
 #include <vector>
 
+#include "api/factory_detail.hpp"
 #include "backends/backends.hpp"
 #include "core/env.hpp"
 #include "core/log.hpp"
@@ -14,6 +17,7 @@ namespace {
 struct BackendEntry {
   const char* name;
   bool built;
+  bool singleNode;  ///< Every rank must run on one host (peer-mapped GPU memory).
   bool (*usable)(std::string*);
   std::unique_ptr<AllToAll> (*create)(const Config&, Bootstrap&);
 };
@@ -22,41 +26,59 @@ struct BackendEntry {
 std::vector<BackendEntry> backendTable() {
   return {
 #ifdef EPCOMM_HAVE_NVLINK_BACKEND
-      {"nvlink", true, &backends::nvlinkUsable, &backends::createNvlink},
+      {"nvlink", true, true, &backends::nvlinkUsable, &backends::createNvlink},
 #else
-      {"nvlink", false, nullptr, nullptr},
+      {"nvlink", false, true, nullptr, nullptr},
 #endif
-      {"nvshmem", false, nullptr, nullptr},
-      {"proxy", false, nullptr, nullptr},
+      {"nvshmem", false, false, nullptr, nullptr},
+      {"proxy", false, false, nullptr, nullptr},
 #ifdef EPCOMM_HAVE_HOST_BACKEND
-      {"host", true, &backends::hostUsable, &backends::createHost},
+      {"host", true, false, &backends::hostUsable, &backends::createHost},
 #else
-      {"host", false, nullptr, nullptr},
+      {"host", false, false, nullptr, nullptr},
 #endif
   };
 }
 
-// Collective: true iff every rank can run the backend; *whyNot names the first rank that cannot and why.
+// Collective: true iff every rank can run the backend (and, for single-node backends, all ranks share one host);
+// *whyNot names the first rank that cannot and why.
 bool usableEverywhere(const BackendEntry& entry, Bootstrap& bootstrap, std::string* whyNot) {
-  constexpr size_t kReasonBytes = 256;
+  constexpr size_t kHostBytes = 64;
+  constexpr size_t kBlobBytes = 256 + kHostBytes;  // [ok][reason ... ][hostname]
   std::string reason;
   bool ok = entry.usable(&reason);
-  std::vector<char> mine(kReasonBytes, 0);
+  std::vector<char> mine(kBlobBytes, 0);
   mine[0] = ok ? 1 : 0;
-  std::strncpy(mine.data() + 1, reason.c_str(), kReasonBytes - 2);
-  std::vector<char> all(kReasonBytes * bootstrap.worldSize());
-  bootstrap.allGather(mine.data(), all.data(), kReasonBytes);
+  std::strncpy(mine.data() + 1, reason.c_str(), kBlobBytes - kHostBytes - 2);
+  gethostname(mine.data() + kBlobBytes - kHostBytes, kHostBytes - 1);
+  std::vector<char> all(kBlobBytes * bootstrap.worldSize());
+  bootstrap.allGather(mine.data(), all.data(), kBlobBytes);
+  std::vector<std::string> hosts;
   for (int r = 0; r < bootstrap.worldSize(); ++r) {
-    const char* blob = all.data() + r * kReasonBytes;
+    const char* blob = all.data() + r * kBlobBytes;
     if (blob[0] == 0) {
       *whyNot = "rank " + std::to_string(r) + ": " + std::string(blob + 1);
+      return false;
+    }
+    hosts.emplace_back(blob + kBlobBytes - kHostBytes);
+  }
+  return !entry.singleNode || detail::allOnOneHost(hosts, whyNot);
+}
+
+}  // namespace
+
+namespace detail {
+bool allOnOneHost(const std::vector<std::string>& hostOfRank, std::string* whyNot) {
+  for (size_t r = 1; r < hostOfRank.size(); ++r) {
+    if (hostOfRank[r] != hostOfRank[0]) {
+      *whyNot = "ranks span several hosts (rank 0 on '" + hostOfRank[0] + "', rank " + std::to_string(r) + " on '" +
+                hostOfRank[r] + "'); this backend needs all ranks on one node";
       return false;
     }
   }
   return true;
 }
-
-}  // namespace
+}  // namespace detail
 
 std::vector<std::string> builtBackends() {
   std::vector<std::string> names;
