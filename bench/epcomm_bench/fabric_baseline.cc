@@ -19,20 +19,6 @@ constexpr uint32_t kImmBase = 1;
 
 uint64_t regionBytes(uint64_t bytes) { return (std::max<uint64_t>(bytes, 1) + 4095) / 4096 * 4096; }
 
-std::vector<std::vector<uint8_t>> allGatherBlobs(Bootstrap& bootstrap, const std::vector<uint8_t>& mine) {
-  const int world = bootstrap.worldSize();
-  uint64_t len = mine.size();
-  std::vector<uint64_t> lens(world);
-  bootstrap.allGather(&len, lens.data(), sizeof(len));
-  const uint64_t maxLen = *std::max_element(lens.begin(), lens.end());
-  std::vector<uint8_t> padded(maxLen, 0), all(maxLen * world);
-  std::memcpy(padded.data(), mine.data(), mine.size());
-  if (maxLen > 0) bootstrap.allGather(padded.data(), all.data(), maxLen);
-  std::vector<std::vector<uint8_t>> out(world);
-  for (int r = 0; r < world; ++r) out[r].assign(all.begin() + r * maxLen, all.begin() + (r * maxLen + lens[r]));
-  return out;
-}
-
 // Keeps the engine's code, file and line; puts who/where in front of its message.
 [[noreturn]] void rethrowWith(const Error& e, const std::string& context) {
   detail::throwError(e.code(), context + ": " + e.message(), e.file(), e.line());

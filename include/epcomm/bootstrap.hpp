@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace epcomm {
 
@@ -23,6 +24,10 @@ class Bootstrap {
   /// Copies `bytes` at `data` from `root` to every rank.
   virtual void broadcast(void* data, size_t bytes, int root) = 0;
 };
+
+/// Collective allGather of blobs whose length may differ per rank (lengths first, then the blobs padded to the
+/// longest). Returns every rank's blob, indexed by rank. Errors as Bootstrap::allGather.
+std::vector<std::vector<uint8_t>> allGatherBlobs(Bootstrap& bootstrap, const std::vector<uint8_t>& mine);
 
 /// TCP rendezvous: rank 0 listens on `hostPort` ("host:port"), the others connect (retrying until `timeoutMs`).
 /// Throws kBootstrap naming the ranks that never joined. timeoutMs <= 0 uses EPCOMM_TIMEOUT_MS.

@@ -37,21 +37,6 @@ class Backoff {
   uint32_t n_ = 0;
 };
 
-// allGather of variable-length blobs: lengths first, then blobs padded to the longest.
-std::vector<std::vector<uint8_t>> allGatherBlobs(Bootstrap& bootstrap, const std::vector<uint8_t>& mine) {
-  const int world = bootstrap.worldSize();
-  uint64_t len = mine.size();
-  std::vector<uint64_t> lens(world);
-  bootstrap.allGather(&len, lens.data(), sizeof(len));
-  const uint64_t maxLen = *std::max_element(lens.begin(), lens.end());
-  std::vector<uint8_t> padded(maxLen, 0), all(maxLen * world);
-  std::memcpy(padded.data(), mine.data(), mine.size());
-  if (maxLen > 0) bootstrap.allGather(padded.data(), all.data(), maxLen);
-  std::vector<std::vector<uint8_t>> out(world);
-  for (int r = 0; r < world; ++r) out[r].assign(all.begin() + r * maxLen, all.begin() + r * maxLen + lens[r]);
-  return out;
-}
-
 std::string rankList(const std::vector<uint32_t>& ranks) {
   std::ostringstream oss;
   oss << (ranks.size() == 1 ? "rank " : "ranks ");

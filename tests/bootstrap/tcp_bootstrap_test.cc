@@ -79,6 +79,24 @@ TEST(TcpBootstrap, AllGatherOfSeveralSizes) {
   EXPECT_TRUE(result.allOk()) << result.summary();
 }
 
+TEST(TcpBootstrap, AllGatherBlobsOfDifferentLengths) {
+  RunResult result = runRanks(
+      kWorld,
+      [](int rank, Bootstrap& bs) {
+        // Rank r contributes r * 3 bytes (rank 0: an empty blob), each byte naming its rank and position.
+        std::vector<uint8_t> mine(static_cast<size_t>(rank) * 3);
+        for (size_t i = 0; i < mine.size(); ++i) mine[i] = pattern(rank, i, mine.size());
+        const std::vector<std::vector<uint8_t>> all = allGatherBlobs(bs, mine);
+        ASSERT_EQ(all.size(), static_cast<size_t>(kWorld));
+        for (int r = 0; r < kWorld; ++r) {
+          ASSERT_EQ(all[r].size(), static_cast<size_t>(r) * 3) << "blob of rank " << r;
+          for (size_t i = 0; i < all[r].size(); ++i) EXPECT_EQ(all[r][i], pattern(r, i, all[r].size()));
+        }
+      },
+      RunOptions{kTimeoutMs, 120000});
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
 TEST(TcpBootstrap, ManyRoundsOfBarrierBroadcastAllGather) {
   RunResult result = runRanks(
       kWorld,
