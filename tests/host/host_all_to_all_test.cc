@@ -134,6 +134,38 @@ TEST(HostBackend, EveryDtypePair) {
   EXPECT_TRUE(result.allOk()) << result.summary();
 }
 
+// ---- Rows wider than the combine's vector block (64 elements) and not a multiple of it: full blocks and a tail. ----
+
+TEST(HostBackend, WideRowsEveryCombineDtypePair) {
+  SKIP_WITHOUT("shm");
+  const DType yTypes[] = {DType::kBf16, DType::kF16, DType::kF32};
+  RunResult result = runRanks(
+      2,
+      [&](int rank, Bootstrap& bootstrap) {
+        uint32_t round = 0;
+        for (uint32_t H : {200u, 64u, 24u}) {
+          Scenario sc;
+          sc.W = 2;
+          sc.H = H;
+          sc.K = 6;
+          sc.route = RouteMode::kDuplicates;
+          sc.options.provider = "shm";
+          host::HostAllToAll a2a(sc.config(rank), bootstrap, sc.options);
+          for (DType y : yTypes) {
+            for (DType out : yTypes) {
+              sc.yDtype = y;
+              sc.outDtype = out;
+              sc.accumulate = (round % 2) == 1;
+              ASSERT_TRUE(checkedRound(a2a, sc, rank, round++))
+                  << "H " << H << ": " << dtypeName(y) << " -> " << dtypeName(out);
+            }
+          }
+        }
+      },
+      runOptions());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
 // ---- The protocol's operation counts: the bulk is one write per peer, and only when the private area overflows.
 
 TEST(HostBackend, OverflowIsOneWritePerPeer) {

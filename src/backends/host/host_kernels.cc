@@ -20,24 +20,66 @@ struct EntryMeta {
 
 inline const uint16_t* entryExperts(const uint8_t* meta) { return reinterpret_cast<const uint16_t*>(meta + 6); }
 
-// acc[h] += w * y[h] for one row, with the dtype dispatch hoisted out of the loop so it vectorises. Each element is
-// the same fp32 multiply-add the reference does, in the same order.
-void addScaledRow(float* acc, float w, DType dtype, const uint8_t* row, uint32_t H) {
-  switch (dtype) {
-    case DType::kBf16: {
-      const uint16_t* y = reinterpret_cast<const uint16_t*>(row);
-      for (uint32_t h = 0; h < H; ++h) acc[h] += w * bf16ToFloat(y[h]);
-      break;
-    }
-    case DType::kF32: {
-      const float* y = reinterpret_cast<const float*>(row);
-      for (uint32_t h = 0; h < H; ++h) acc[h] += w * y[h];
-      break;
-    }
-    default:
-      for (uint32_t h = 0; h < H; ++h) acc[h] += w * loadAsFloat(dtype, row, h);
-      break;
+// Element access of the combine's float tensors, one type per dtype, so that the weighted sum is compiled once
+// per (expertY, outTokens) dtype pair with no dtype switch inside the loops. `base` is a row, `i` an element.
+struct Bf16Io {
+  static float load(const uint8_t* base, size_t i) {
+    return bitsFloat(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(base)[i]) << 16);
   }
+  // floatToBf16 written as a select instead of a branch, so the loop vectorises; the same bits.
+  static void store(uint8_t* base, size_t i, float v) {
+    const uint32_t u = floatBits(v);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t quietNan = (u >> 16) | 0x40u;
+    reinterpret_cast<uint16_t*>(base)[i] = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? quietNan : rounded);
+  }
+};
+struct F32Io {
+  static float load(const uint8_t* base, size_t i) { return reinterpret_cast<const float*>(base)[i]; }
+  static void store(uint8_t* base, size_t i, float v) { reinterpret_cast<float*>(base)[i] = v; }
+};
+// fp16 and anything else: the generic conversions (fp16 has subnormals to decode; not on the hot path).
+struct AnyIo {
+  DType dtype;
+  float load(const uint8_t* base, size_t i) const { return loadAsFloat(dtype, base, i); }
+  void store(uint8_t* base, size_t i, float v) const { storeFromFloat(dtype, base, i, v); }
+};
+
+// Elements per block of the weighted sum: the fp32 accumulator of one block stays in L1 (registers for the
+// vector loop) while the K rows stream through, and full blocks have a constant trip count, which GCC
+// vectorises at -O2.
+constexpr uint32_t kSumBlock = 64;
+
+// out[h0 .. h0+n) = (accumulate ? out : 0) + sum_j w[j] * rows[j][h] for one block, j ascending: per element the
+// reference's fp32 operations in the reference's order (separate multiply and add, -ffp-contract=off), so the
+// vector lanes give the same bits as a scalar loop. kN > 0: n = kN at compile time.
+template <uint32_t kN, class YIo, class OutIo>
+inline void weightedSumBlock(const YIo& yIo, const OutIo& outIo, uint8_t* out, bool accumulate, const float* w,
+                             const uint8_t* const* rows, uint32_t numTerms, size_t h0, size_t n) {
+  if (kN > 0) n = kN;
+  float acc[kSumBlock];
+  if (accumulate) {
+    for (size_t i = 0; i < n; ++i) acc[i] = outIo.load(out, h0 + i);
+  } else {
+    for (size_t i = 0; i < n; ++i) acc[i] = 0.0f;
+  }
+  for (uint32_t j = 0; j < numTerms; ++j) {
+    const float wj = w[j];
+    const uint8_t* y = rows[j];
+    for (size_t i = 0; i < n; ++i) acc[i] += wj * yIo.load(y, h0 + i);
+  }
+  for (size_t i = 0; i < n; ++i) outIo.store(out, h0 + i, acc[i]);
+}
+
+// One output row: full blocks, then the tail.
+template <class YIo, class OutIo>
+void weightedSumRow(const YIo& yIo, const OutIo& outIo, uint8_t* out, bool accumulate, const float* w,
+                    const uint8_t* const* rows, uint32_t numTerms, uint32_t H) {
+  size_t h0 = 0;
+  for (; h0 + kSumBlock <= H; h0 += kSumBlock) {
+    weightedSumBlock<kSumBlock>(yIo, outIo, out, accumulate, w, rows, numTerms, h0, kSumBlock);
+  }
+  if (h0 < H) weightedSumBlock<0>(yIo, outIo, out, accumulate, w, rows, numTerms, h0, H - h0);
 }
 
 }  // namespace
@@ -240,19 +282,48 @@ void combineRecvKernel(const CombineRecvParams& p) {
                            : p.combineRecvBuffer + lay.combineRecvStart(q) * rowBytes;
   }
   const float* w = static_cast<const float*>(a.weights.data);
-  std::vector<float> acc(H);
   const DType outType = a.outTokens.dtype;
-  for (uint32_t t = 0; t < p.boundM; ++t) {
-    const int64_t outOff = static_cast<int64_t>(t) * c.outRowStride;
-    for (uint32_t h = 0; h < H; ++h) acc[h] = a.accumulate ? loadAsFloat(outType, a.outTokens.data, outOff + h) : 0.0f;
-    for (uint32_t k = 0; k < K; ++k) {
-      const int64_t e = load(t, k);
-      if (e < 0) continue;
-      const float wk = w[t * c.weightStrides[0] + k * c.weightStrides[1]];
-      const uint8_t* y = ownerBase[expertOwner(static_cast<uint32_t>(e), L)] + rowOf[t * K + k] * rowBytes;
-      addScaledRow(acc.data(), wk, p.yDtype, y, H);
+  const uint64_t outItem = dtypeSize(outType);
+  uint8_t* outBase = static_cast<uint8_t*>(a.outTokens.data);
+  std::vector<float> termW(K);
+  std::vector<const uint8_t*> termRow(K);
+  // The dtype pair is chosen once; each instance's loops are dtype-free.
+  auto sumAll = [&](const auto& yIo, const auto& outIo) {
+    for (uint32_t t = 0; t < p.boundM; ++t) {
+      uint32_t numTerms = 0;
+      for (uint32_t k = 0; k < K; ++k) {
+        const int64_t e = load(t, k);
+        if (e < 0) continue;
+        termW[numTerms] = w[t * c.weightStrides[0] + k * c.weightStrides[1]];
+        termRow[numTerms++] = ownerBase[expertOwner(static_cast<uint32_t>(e), L)] + rowOf[t * K + k] * rowBytes;
+      }
+      uint8_t* out = outBase + static_cast<uint64_t>(t) * c.outRowStride * outItem;
+      weightedSumRow(yIo, outIo, out, a.accumulate, termW.data(), termRow.data(), numTerms, H);
     }
-    for (uint32_t h = 0; h < H; ++h) storeFromFloat(outType, a.outTokens.data, outOff + h, acc[h]);
+  };
+  auto withOut = [&](const auto& yIo) {
+    switch (outType) {
+      case DType::kBf16:
+        sumAll(yIo, Bf16Io{});
+        break;
+      case DType::kF32:
+        sumAll(yIo, F32Io{});
+        break;
+      default:
+        sumAll(yIo, AnyIo{outType});
+        break;
+    }
+  };
+  switch (p.yDtype) {
+    case DType::kBf16:
+      withOut(Bf16Io{});
+      break;
+    case DType::kF32:
+      withOut(F32Io{});
+      break;
+    default:
+      withOut(AnyIo{p.yDtype});
+      break;
   }
 }
 
