@@ -20,6 +20,16 @@ int64_t nowMs() {
       .count();
 }
 
+int64_t nowUs() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// How long the proxy polls (cheap, leaves progress to the engine's thread) before it drives the engine itself
+// inside waitImm / waitCounter. Small rounds finish within it, so their latency is that of polling; large rounds
+// (milliseconds of transfer on a few shared cores) gain from one driving thread per rank instead of two.
+constexpr int64_t kDriveAfterUs = 300;
+
 // Polling pause: yield first (a peer usually answers within microseconds), then sleep so that ranks sharing few
 // cores do not starve each other's progress threads.
 class Backoff {
@@ -270,8 +280,20 @@ void ProxyChannel::proxyLoop() {
 }
 
 void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32_t> senders, const char* what) {
-  const int64_t start = nowMs();
+  const int64_t start = nowMs(), startUs = nowUs();
   Backoff backoff;
+  // A peer that combined another dtype would otherwise look like a late one.
+  auto checkDtypes = [&] {
+    if (phase < Phase::kCombineBf16) return;
+    for (Phase other : {Phase::kCombineBf16, Phase::kCombineF16, Phase::kCombineF32}) {
+      if (other == phase) continue;
+      for (uint32_t s : senders) {
+        EPCOMM_CHECK(
+            engine_->immCount(encodeImm(objectId_, other, round, s)) == 0, kInvalidArgument,
+            prefix(what, round) << ": rank " << s << " sent combine rows of another expertY dtype than this rank's");
+      }
+    }
+  };
   while (!senders.empty()) {
     bool progressed = false;
     for (size_t i = 0; i < senders.size();) {
@@ -287,17 +309,7 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
     }
     if (senders.empty()) break;
     std::sort(senders.begin(), senders.end());
-    if (phase >= Phase::kCombineBf16) {
-      // A peer that combined another dtype would otherwise look like a late one.
-      for (Phase other : {Phase::kCombineBf16, Phase::kCombineF16, Phase::kCombineF32}) {
-        if (other == phase) continue;
-        for (uint32_t s : senders) {
-          EPCOMM_CHECK(engine_->immCount(encodeImm(objectId_, other, round, s)) == 0, kInvalidArgument,
-                       prefix(what, round)
-                           << ": rank " << s << " sent combine rows of another expertY dtype than this rank's");
-        }
-      }
-    }
+    checkDtypes();
     try {
       engine_->checkErrors();
     } catch (const Error& e) {
@@ -311,12 +323,28 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
       EPCOMM_THROW(kTimeout, prefix(what, round) << ": no " << phaseName(phase) << " from " << rankList(senders)
                                                  << " after " << timeoutMs_ << " ms (peer dead or stalled?)");
     }
-    if (!progressed) backoff.pause();
+    if (!progressed && nowUs() - startUs < kDriveAfterUs) {
+      backoff.pause();
+    } else if (!progressed) {
+      // A long wait (large rounds): this thread drives the engine itself, so the peers' writes progress without a
+      // hand-off to the progress thread, which steps back meanwhile (one polling thread per rank, not two).
+      const uint32_t s0 = senders.front();
+      std::ostringstream oss;
+      oss << prefix(what, round) << ": no " << phaseName(phase) << " from rank " << s0;
+      try {
+        engine_->waitImm(encodeImm(objectId_, phase, round, s0), 1, oss.str());
+      } catch (const Error& e) {
+        checkDtypes();  // a wrong-dtype peer is named as such, not as late
+        rethrowEngineError(
+            e, prefix(what, round) + ": while waiting for " + phaseName(phase) + " from " + rankList(senders));
+      }
+      senders.erase(senders.begin());
+    }
   }
 }
 
 void ProxyChannel::waitLocalCompletions(const char* what, uint32_t round) {
-  const int64_t start = nowMs();
+  const int64_t startUs = nowUs();
   Backoff backoff;
   while (localDone_.load(std::memory_order_acquire) < localPosted_) {
     try {
@@ -325,10 +353,18 @@ void ProxyChannel::waitLocalCompletions(const char* what, uint32_t round) {
       rethrowEngineError(e, prefix(what, round) + ": a write of this rank to " + rankList(peerRanks_) + " failed");
     }
     EPCOMM_CHECK(!stop_.load(), kInternal, prefix(what, round) << ": abandoned (object destroyed)");
-    EPCOMM_CHECK(nowMs() - start <= timeoutMs_, kTimeout,
-                 prefix(what, round) << ": " << localPosted_ - localDone_.load()
-                                     << " of this rank's writes did not complete within " << timeoutMs_ << " ms");
-    backoff.pause();
+    if (nowUs() - startUs < kDriveAfterUs) {
+      backoff.pause();
+      continue;
+    }
+    // As in waitFromPeers: a long wait drives the engine from this thread (bounded by the engine's timeout).
+    std::ostringstream oss;
+    oss << prefix(what, round) << ": this rank's writes to " << rankList(peerRanks_) << " did not complete";
+    try {
+      engine_->waitCounter(localDone_, localPosted_, oss.str());
+    } catch (const Error& e) {
+      rethrowEngineError(e, prefix(what, round) + ": a write of this rank to " + rankList(peerRanks_) + " failed");
+    }
   }
 }
 
