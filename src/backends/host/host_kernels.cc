@@ -128,9 +128,15 @@ void dispatchSendKernel(const DispatchSendParams& p) {
       const uint32_t dst = owners[o];
       uint8_t* entry = p.sendSlots[dst] + s.headBytes + static_cast<uint64_t>(entryCounts[dst]++) * s.entryBytes;
       std::memcpy(entry, x + t * p.checked.xRowStrideBytes, s.payloadBytes);
-      uint32_t* scales = reinterpret_cast<uint32_t*>(entry + s.payloadBytes);
-      for (uint32_t j = 0; j < scaleCols; ++j) {
-        scales[j] = xs[t * p.checked.scaleStrides[0] + j * p.checked.scaleStrides[1]];
+      if (scaleCols > 0) {
+        // Contiguous scale columns (the usual case): one copy instead of a strided load per scale.
+        uint32_t* scales = reinterpret_cast<uint32_t*>(entry + s.payloadBytes);
+        const uint32_t* srcScales = xs + t * p.checked.scaleStrides[0];
+        if (p.checked.scaleStrides[1] == 1) {
+          std::memcpy(scales, srcScales, 4ull * scaleCols);
+        } else {
+          for (uint32_t j = 0; j < scaleCols; ++j) scales[j] = srcScales[j * p.checked.scaleStrides[1]];
+        }
       }
       uint8_t* meta = entry + s.metaOffset;
       const EntryMeta m{t, numLes[o]};
@@ -159,6 +165,8 @@ void dispatchRecvKernel(const DispatchRecvParams& p) {
 
   char* out = static_cast<char*>(a.outExpertX.data);
   uint32_t* outScale = static_cast<uint32_t*>(a.outExpertXScale.data);
+  // Scale columns are usually contiguous: one copy per row instead of a strided store per scale.
+  const int64_t scaleColStride = scaleCols == 0 ? 1 : c.outScaleStrides[batched ? 2 : 1];
   std::vector<uint64_t> next(L);
   for (uint32_t src = 0; src < W; ++src) {
     for (uint32_t le = 0; le < L; ++le) next[le] = lay.slotOffset(le, src);
@@ -184,9 +192,11 @@ void dispatchRecvKernel(const DispatchRecvParams& p) {
         if (scaleCols == 0) continue;
         const uint32_t* scales = reinterpret_cast<const uint32_t*>(entry + s.payloadBytes);
         const int64_t* os = c.outScaleStrides;
-        for (uint32_t k = 0; k < scaleCols; ++k) {
-          const int64_t off = batched ? expertIdx * os[0] + rowIdx * os[1] + k * os[2] : rowIdx * os[0] + k * os[1];
-          outScale[off] = scales[k];
+        uint32_t* dstScale = outScale + (batched ? expertIdx * os[0] + rowIdx * os[1] : rowIdx * os[0]);
+        if (scaleColStride == 1) {
+          std::memcpy(dstScale, scales, 4ull * scaleCols);
+        } else {
+          for (uint32_t k = 0; k < scaleCols; ++k) dstScale[k * scaleColStride] = scales[k];
         }
       }
     }
