@@ -21,18 +21,26 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _resolve(name: str, timeout_s: float = 3.0) -> Optional[str]:
+    """IPv4 address of `name`, or None when it does not resolve within `timeout_s` (a sandbox without a reachable DNS
+    server can keep gethostbyname blocked for minutes)."""
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        return pool.submit(socket.gethostbyname, name).result(timeout=timeout_s)
+    except (OSError, concurrent.futures.TimeoutError):
+        return None
+    finally:
+        pool.shutdown(wait=False)
+
+
 def _rank0_address() -> str:
     # torchrun / torch.distributed.launch export MASTER_ADDR, reachable from every rank by construction.
     addr = os.environ.get("MASTER_ADDR")
     if addr:
-        try:
-            return socket.gethostbyname(addr)
-        except OSError:
-            return addr
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
+        return _resolve(addr) or addr
+    return _resolve(socket.gethostname()) or "127.0.0.1"
 
 
 def _group_rank0(group: Any) -> int:

@@ -30,6 +30,7 @@ struct Env {
   int64_t privateTokens;       ///< EPCOMM_PRIVATE_TOKENS: host/proxy private area per sender (-1 = derived).
   int proxyCpu;                ///< EPCOMM_PROXY_CPU: core to pin progress/proxy threads to (-1 = none).
   int nvlinkBlocks;            ///< EPCOMM_NVLINK_BLOCKS: SMs used by nvlink kernels (0 = auto).
+  bool nvlinkTrace;            ///< EPCOMM_NVLINK_TRACE: per-block phase stamps, summary at destruction.
 };
 
 /// The process-wide parsed environment (read on first call; thread-safe).

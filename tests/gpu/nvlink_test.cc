@@ -149,6 +149,40 @@ TEST(NvlinkGpu, W2DecodeShape) {
   runAll(2, {s});
 }
 
+// More than 512 tokens per sender: the routing scan is shared by several blocks (each counts its chunk, they wait
+// for each other on the GPU, then emit positions offset by the earlier chunks). Fused and split, masked and repeated
+// experts, ragged m and device boundM (chunks may be empty), both layouts; one and two GPUs.
+std::vector<Scenario> routingChunks(uint32_t world) {
+  std::vector<Scenario> list;
+  for (int v = 0; v < 3; ++v) {
+    Scenario s = base(world);
+    s.maxTokens = 1300;
+    s.experts = 32;
+    s.topK = 6;
+    s.hidden = 128;
+    s.masked = true;
+    s.deviceBound = v != 0;
+    s.ragged = v != 0;
+    s.split = v == 1;
+    s.layout = v == 2 ? Layout::kPacked : Layout::kBatched;
+    s.padding = v == 2 ? 8 : 1;
+    s.rounds = 3;
+    s.seed = 300 + v;
+    list.push_back(s);
+  }
+  return list;
+}
+
+TEST(NvlinkGpu, W1RoutingChunks) {
+  REQUIRE_GPUS(1);
+  runAll(1, routingChunks(1));
+}
+
+TEST(NvlinkGpu, W2RoutingChunks) {
+  REQUIRE_GPUS(2);
+  runAll(2, routingChunks(2));
+}
+
 // Every payload dtype with every (expertY, outTokens) pair, on one and on two GPUs.
 std::vector<Scenario> dtypeMatrix(uint32_t world) {
   std::vector<Scenario> list;

@@ -6,8 +6,11 @@ from typing import Dict, List, Optional
 
 def run_example(rank: int, world_size: int, code: str, env: Dict[str, str], results) -> None:
     """Runs a documentation example with torch.distributed environment variables set."""
+    import faulthandler
     import os
+    import sys
 
+    faulthandler.dump_traceback_later(60, repeat=False, file=sys.stderr)  # a hang shows where it is
     try:
         os.environ.update(env)
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))

@@ -273,17 +273,47 @@ def _run_graph(epcomm, torch, rank, W, sc, group) -> Dict[str, int]:
     return {"replays": 4}
 
 
+def _progress_log(rank: int):
+    """Progress lines on stderr (pytest shows them for a failed test) and, when TORCH_WORKER_LOG_DIR is set, in a file
+    there; a rank still running after 90 s dumps every thread's Python stack to the same places (faulthandler)."""
+    import faulthandler
+    import sys
+    import time
+
+    start = time.monotonic()
+    sinks = [sys.stderr]
+    log_dir = os.environ.get("TORCH_WORKER_LOG_DIR")
+    if log_dir:
+        sinks.append(open(os.path.join(log_dir, f"torch_worker_rank{rank}.log"), "w", buffering=1))
+    faulthandler.enable(file=sinks[-1])  # a crash (SIGSEGV, SIGABRT) prints the Python stack before the process dies
+    faulthandler.dump_traceback_later(90, repeat=False, file=sinks[-1])
+
+    def log(msg: str) -> None:
+        for f in sinks:
+            print(f"[torch worker rank {rank} +{time.monotonic() - start:.1f}s] {msg}", file=f, flush=True)
+
+    return log
+
+
 def run(rank: int, world_size: int, port: int, names: Optional[List[str]], results) -> None:
     """Runs the scenarios (all when names is None); puts (name, rank, 'ok'|traceback, stats) per scenario."""
+    log = _progress_log(rank)
     try:
+        log("importing torch and epcomm")
         import torch
         import torch.distributed as dist
 
         import epcomm
 
         torch.cuda.set_device(rank)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        log("init_process_group(gloo)")
+        import datetime
+
+        # Bounded collectives: a rank that failed a scenario must not leave the other waiting for 30 minutes.
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=60))
         group = dist.group.WORLD
+        log("process group ready")
     except BaseException:  # noqa: BLE001
         results.put(("<setup>", rank, traceback.format_exc(), {}))
         return
@@ -292,11 +322,13 @@ def run(rank: int, world_size: int, port: int, names: Optional[List[str]], resul
             continue
         kind = sc.get("kind", "plain")
         fn = {"plain": _run_plain, "compile": _run_compile, "graph": _run_graph}[kind]
+        log(f"scenario {sc['name']}")
         try:
             stats = fn(epcomm, torch, rank, world_size, sc, group)
             results.put((sc["name"], rank, "ok", stats))
         except BaseException:  # noqa: BLE001
             results.put((sc["name"], rank, traceback.format_exc(), {}))
+        log(f"scenario {sc['name']} done")
         dist.barrier()
     dist.destroy_process_group()
     results.close()

@@ -41,12 +41,26 @@ def scenario_results():
     expected = len(_torch_worker.SCENARIOS) * WORLD
     out = {}
     import queue
+    import time
 
+    deadline = time.monotonic() + 300  # every scenario together; a hung rank fails the scenarios it did not report
     for _ in range(expected):
-        try:
-            name, rank, status, stats = results.get(timeout=600)
-        except queue.Empty:
+        # Poll in short steps so that a rank that died (crash, abort) ends the wait at once with its exit code.
+        got = None
+        while got is None and time.monotonic() < deadline:
+            try:
+                got = results.get(timeout=2)
+            except queue.Empty:
+                reported = [sum(1 for v in out.values() for rank, _, _ in v if rank == r) for r in range(WORLD)]
+                dead = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(procs)
+                        if not p.is_alive() and reported[r] < len(_torch_worker.SCENARIOS)]
+                if dead:
+                    out.setdefault("<setup>", []).append((-1, "; ".join(dead) + " before reporting every scenario "
+                                                          f"(reported so far: {sorted(out)})", {}))
+                    break
+        if got is None:
             break
+        name, rank, status, stats = got
         out.setdefault(name, []).append((rank, status, stats))
         if name == "<setup>":
             break
@@ -80,7 +94,7 @@ def test_torch_docs_example():
              for r in range(WORLD)]
     for p in procs:
         p.start()
-    out = _mp_util.gather(procs, results, 300)
+    out = _mp_util.gather(procs, results, 120)
     errors = [f"rank {rank}:\n{payload}" for status, rank, payload in out if status != "ok"]
     assert not errors, "\n".join(errors)
 

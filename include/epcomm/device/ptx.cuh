@@ -33,6 +33,12 @@ __device__ __forceinline__ void redAddReleaseSys(uint64_t* addr, uint64_t v) {
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(addr), "l"(v) : "memory");
 }
 
+/// Relaxed atomic add at system scope. After fenceAcqRelSys() it completes a release pattern (PTX memory model:
+/// a fence.acq_rel followed by a strong write), without red.release's second, implicit fence.
+__device__ __forceinline__ void redAddRelaxedSys(uint64_t* addr, uint64_t v) {
+  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(addr), "l"(v) : "memory");
+}
+
 /// Full fence at system scope: orders this thread's (and, by cumulativity, what it observed through a CTA
 /// barrier) earlier memory operations before its later ones, as seen from peers and the host.
 __device__ __forceinline__ void fenceAcqRelSys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }

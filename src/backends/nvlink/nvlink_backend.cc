@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <sstream>
 #include <string>
@@ -14,6 +15,7 @@
 #include "backends/backends.hpp"
 #include "backends/nvlink/nvlink_kernels.hpp"
 #include "backends/nvlink/nvlink_layout.hpp"
+#include "backends/nvlink/nvlink_trace.hpp"
 #include "core/env.hpp"
 #include "core/log.hpp"
 #include "core/validate.hpp"
@@ -71,6 +73,8 @@ const char* phaseName(int32_t phase) {
       return "combine-recv (waiting for the peer's expert outputs)";
     case nvlink::kPhaseBadIndex:
       return "dispatch-send (expert index check)";
+    case nvlink::kPhaseRouteSync:
+      return "dispatch-send (routing blocks of this rank waiting for each other)";
     default:
       return "unknown";
   }
@@ -122,10 +126,13 @@ class NvlinkAllToAll final : public AllToAll {
     EPCOMM_CHECK_CUDA(cudaMalloc(&seq_, 4 * geo_.blocks * sizeof(uint32_t) + 256));
     EPCOMM_CHECK_CUDA(cudaMemset(seq_, 0, 4 * geo_.blocks * sizeof(uint32_t) + 256));
     claimed_ = reinterpret_cast<int32_t*>(reinterpret_cast<char*>(seq_) + 4 * geo_.blocks * sizeof(uint32_t));
+    EPCOMM_CHECK_CUDA(cudaMalloc(&route_, routeBytes()));
+    EPCOMM_CHECK_CUDA(cudaMemset(route_, 0, routeBytes()));
     EPCOMM_CHECK_CUDA(
         cudaHostAlloc(reinterpret_cast<void**>(&hostError_), sizeof(nvlink::ErrorRecord), cudaHostAllocMapped));
     std::memset(hostError_, 0, sizeof(nvlink::ErrorRecord));
     EPCOMM_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&hostErrorDev_), hostError_, 0));
+    if (env().nvlinkTrace) trace_.enable(geo_.blocks);
     EPCOMM_CHECK_CUDA(cudaDeviceSynchronize());
 
     PeerInfo mine{};
@@ -174,6 +181,7 @@ class NvlinkAllToAll final : public AllToAll {
     // for everyone, then unmap and free.
     cudaSetDevice(device_);
     cudaDeviceSynchronize();
+    if (trace_.enabled()) std::fputs(trace_.summary(static_cast<int>(config_.rank)).c_str(), stderr);
     try {
       bootstrap_.barrier();
     } catch (const std::exception& e) {
@@ -182,6 +190,7 @@ class NvlinkAllToAll final : public AllToAll {
     for (void* p : opened_) cudaIpcCloseMemHandle(p);
     if (region_ != nullptr) cudaFree(region_);
     if (seq_ != nullptr) cudaFree(seq_);
+    if (route_ != nullptr) cudaFree(route_);
     if (hostError_ != nullptr) cudaFreeHost(hostError_);
   }
 
@@ -221,6 +230,7 @@ class NvlinkAllToAll final : public AllToAll {
       k.padding = config_.expertPadding;
     }
     checkCurrentDevice();
+    k.st.trace = trace_.next(nvlink::PhaseTrace::kDispatch, a.doSend, a.doRecv);
     int rc = nvlink::launchDispatch(k, a.doSend, a.doRecv, a.stream);
     EPCOMM_CHECK(rc == 0, kCuda,
                  "rank " << config_.rank
@@ -269,6 +279,7 @@ class NvlinkAllToAll final : public AllToAll {
       outType = combineType(a.outTokens.dtype);
     }
     checkCurrentDevice();
+    k.st.trace = trace_.next(nvlink::PhaseTrace::kCombine, a.doSend, a.doRecv);
     int rc = nvlink::launchCombine(k, a.doSend, a.doRecv, partialType_, outType, a.stream);
     EPCOMM_CHECK(rc == 0, kCuda,
                  "rank " << config_.rank
@@ -284,17 +295,23 @@ class NvlinkAllToAll final : public AllToAll {
   const Config& config() const override { return config_; }
   const char* backendName() const override { return "nvlink"; }
   uint64_t bufferBytes() const override {
-    return geo_.totalBytes + 4 * geo_.blocks * sizeof(uint32_t) + 256 + sizeof(nvlink::ErrorRecord);
+    return geo_.totalBytes + 4 * geo_.blocks * sizeof(uint32_t) + 256 + routeBytes() + sizeof(nvlink::ErrorRecord);
   }
 
  private:
+  // Routing blocks' arrival counter (first 256 bytes) and per-chunk histograms [R][E].
+  uint64_t routeBytes() const { return 256 + static_cast<uint64_t>(geo_.routeBlocks) * geo_.numExperts * 4; }
+
   void fillCommon(Geometry& g, char** peers, nvlink::DeviceState& st) const {
     g = geo_;
     for (uint32_t r = 0; r < nvlink::kMaxRanks; ++r) peers[r] = peers_[r];
     st.seq = seq_;
     st.claimed = claimed_;
+    st.routeArrived = static_cast<uint32_t*>(route_);
+    st.routeScratch = reinterpret_cast<int32_t*>(static_cast<char*>(route_) + 256);
     st.hostError = hostErrorDev_;
     st.timeoutNs = static_cast<uint64_t>(env().timeoutMs) * 1000000ull;
+    st.trace = nullptr;
   }
 
   void checkCurrentDevice() const {
@@ -335,12 +352,14 @@ class NvlinkAllToAll final : public AllToAll {
   Geometry geo_{};
   void* region_ = nullptr;
   uint32_t* seq_ = nullptr;
+  void* route_ = nullptr;
   int32_t* claimed_ = nullptr;
   nvlink::ErrorRecord* hostError_ = nullptr;
   nvlink::ErrorRecord* hostErrorDev_ = nullptr;
   std::vector<char*> peers_;
   std::vector<void*> opened_;
   int partialType_ = -1;
+  nvlink::PhaseTrace trace_;
   std::string failed_;
   ErrorCode failedCode_ = ErrorCode::kInternal;
 };
@@ -376,13 +395,16 @@ std::vector<PlannedBuffer> planNvlink(const Config& config) {
   add("flags", "device (peer-mapped)", g.offNumTokens - g.offFlags, "u64 [4][W] monotone counters");
   add("routing counts", "device (peer-mapped)", g.offRoute - g.offNumTokens, "i32 [W] + i32 [W][L]");
   add("routing entries", "device (peer-mapped)", g.offPayload - g.offRoute,
-      "{le, pos} [W=" + std::to_string(W) + "][Ts=" + std::to_string(Ts) + "][K=" + std::to_string(K) + "]");
+      "{le, pos} [W=" + std::to_string(W) + "][K/2=" + std::to_string((K + 1) / 2) + "][Ts=" + std::to_string(Ts) +
+          "][2]");
   add("dispatch staging", "device (peer-mapped)", g.offWeights - g.offPayload,
       "[W][Ts][" + std::to_string(g.slotBytes) + " B: payload + scales]");
   add("combine weights", "device (peer-mapped)", g.offPartials - g.offWeights, "f32 [W][Ts][K]");
   add("combine partials", "device (peer-mapped)", g.totalBytes - g.offPartials,
       "[W][T=" + std::to_string(config.maxNumTokens) + "][H*4 B]");
   add("round counters", "device", 4ull * g.blocks * 4 + 256, "u32 [4][blocks=" + std::to_string(g.blocks) + "]");
+  add("routing histograms", "device", 256 + static_cast<uint64_t>(g.routeBlocks) * config.numExperts * 4,
+      "i32 [routing blocks=" + std::to_string(g.routeBlocks) + "][E] + arrival counter");
   add("error record", "host pinned (mapped)", sizeof(nvlink::ErrorRecord), "written by kernels, read by the host");
   return plan;
 }

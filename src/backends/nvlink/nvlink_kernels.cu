@@ -19,10 +19,11 @@ namespace {
 
 using device::fenceAcqRelSys;
 using device::globalTimerNs;
+using device::ldAcquireGpu;
 using device::laneMaskLt;
 using device::ldAcquireSys;
 using device::ldGlobalNc16;
-using device::redAddReleaseSys;
+using device::redAddRelaxedSys;
 using device::st16;
 
 // 16-byte vectors per lane held in registers by one copy step (8 x 16 B x 32 lanes = 4 KiB in flight per warp).
@@ -42,12 +43,24 @@ __device__ __forceinline__ uint64_t* flagPtr(char* base, const Geometry& g, int 
   return reinterpret_cast<uint64_t*>(base + g.offFlags) + which * g.worldSize + sender;
 }
 
+// Diagnostics: thread 0 stamps phase `p` of this block when tracing is on (one predicated branch otherwise).
+__device__ __forceinline__ void tracePoint(const DeviceState& st, int p) {
+  if (st.trace != nullptr && threadIdx.x == 0) st.trace[blockIdx.x * kTracePhases + p] = globalTimerNs();
+}
+
+// Global warp number of this thread's warp among `blocks` blocks, block-fastest: work unit i goes to block
+// i % blocks, so a few hundred units (decode) spread over every SM instead of filling the first blocks' warps.
+__device__ __forceinline__ uint32_t spreadWarp(uint32_t blockRel, uint32_t blocks) {
+  return (threadIdx.x / 32) * blocks + blockRel;
+}
+
 __device__ __forceinline__ bool aborted(const DeviceState& st) {
   return *reinterpret_cast<volatile int32_t*>(st.claimed) != 0;
 }
 
-// The first error wins; later ones are dropped (the host reports one and the object refuses further use).
-__device__ void recordError(const DeviceState& st, int32_t phase, int32_t rank, int32_t peer, int64_t a, int64_t b) {
+// The first error wins; later ones are dropped (the host reports one and the object refuses further use). Not
+// inlined: it sits in unrolled loops on the routing block's path, where every instruction is fetched cold.
+__device__ __noinline__ void recordError(const DeviceState& st, int32_t phase, int32_t rank, int32_t peer, int64_t a, int64_t b) {
   if (atomicCAS(st.claimed, 0, 1) != 0) return;
   volatile ErrorRecord* r = st.hostError;
   r->rank = rank;
@@ -78,6 +91,22 @@ __device__ bool waitFlag(const uint64_t* flag, uint64_t expected, const DeviceSt
   }
 }
 
+// Spins until the (same-GPU) counter reaches `expected`; on timeout records phase kPhaseRouteSync and returns false.
+__device__ bool waitCounter(uint32_t* counter, uint32_t expected, const DeviceState& st, int32_t rank) {
+  const uint64_t start = globalTimerNs();
+  for (uint32_t i = 1;; ++i) {
+    const uint32_t v = static_cast<uint32_t>(ldAcquireGpu(reinterpret_cast<const int32_t*>(counter)));
+    if (static_cast<int32_t>(v - expected) >= 0) return true;
+    if ((i & 255) == 0) {
+      if (aborted(st)) return false;
+      if (globalTimerNs() - start > st.timeoutNs) {
+        recordError(st, kPhaseRouteSync, rank, rank, v, expected);
+        return false;
+      }
+    }
+  }
+}
+
 // Block-wide: waits until flag `which` from every rank reached `expected`. Returns false (in every thread) if any
 // wait failed.
 __device__ bool waitAllRanks(char* local, const Geometry& g, int which, uint64_t expected, const DeviceState& st,
@@ -90,12 +119,17 @@ __device__ bool waitAllRanks(char* local, const Geometry& g, int which, uint64_t
   return __syncthreads_and(ok ? 1 : 0) != 0;
 }
 
-// Thread 0 of a block: after the block's stores, signals flag `which` of every rank (one increment per block).
-__device__ void signalAllRanks(char* const* peers, const Geometry& g, int which) {
+// Thread 0 of a block: after the block's stores, signals flag `which` of every rank (one increment per block), and
+// flag `also` as well when it is >= 0. One system fence, then relaxed adds: the fence + strong write is the release
+// pattern (red.release would add a fence per add).
+__device__ void signalAllRanks(char* const* peers, const Geometry& g, int which, int also = -1) {
   __syncthreads();
   if (threadIdx.x == 0) {
     fenceAcqRelSys();
-    for (uint32_t d = 0; d < g.worldSize; ++d) redAddReleaseSys(flagPtr(peers[d], g, which, g.rank), 1);
+    for (uint32_t d = 0; d < g.worldSize; ++d) {
+      redAddRelaxedSys(flagPtr(peers[d], g, which, g.rank), 1);
+      if (also >= 0) redAddRelaxedSys(flagPtr(peers[d], g, also, g.rank), 1);
+    }
   }
 }
 
@@ -156,32 +190,38 @@ __device__ RowTables computeRows(char* local, const Geometry& g, int32_t* smem, 
 // ---------------------------------------------------------------------------------------------------------------
 // Dispatch
 
-// Block 0 of the send half: per-expert positions of this rank's tokens (a stable counting sort by expert, in token
-// order) and counts, written into every receiver with the token's K routing entries. Positions are computed here,
-// by the one rank that knows its tokens, so the receiver needs only a W x L prefix sum.
-__device__ void dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t* smem) {
+// Routing blocks of the send half (R = g.routeBlocks; decode: 1): per-expert positions of this rank's tokens (a
+// stable counting sort by expert, in token order) and counts, written into every receiver with the token's K routing
+// entries. Positions are computed here, by the one rank that knows its tokens, so the receiver needs only a W x L
+// prefix sum. Routing block c owns tokens [c * routeChunk, (c + 1) * routeChunk); with R > 1 each first counts its
+// chunk per expert, publishes the histogram in routeScratch, waits for the other routing blocks of this rank (same
+// GPU) and starts its positions at the sum of the earlier chunks' counts. `round`: this send's number (1-based).
+// Returns false if that wait timed out (recorded).
+__device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t* smem, uint32_t chunk,
+                                uint32_t round) {
   const Geometry& g = a.g;
   const uint32_t E = g.numExperts, L = g.numLocalExperts, K = g.topK, W = g.worldSize, D = g.dpSize;
+  const uint32_t R = g.routeBlocks;
   const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t lo = min(n, chunk * g.routeChunk), hi = min(n, lo + g.routeChunk);
   uint32_t* bits = reinterpret_cast<uint32_t*>(smem);  // [kWarps][E]: lanes of the warp's 32 tokens per expert
   int32_t* base = smem + kWarps * E;                   // [kWarps][E]: tokens before this warp's 32
   int32_t* running = smem + 2 * kWarps * E;            // [E]
   for (uint32_t i = threadIdx.x; i < kWarps * E; i += blockDim.x) bits[i] = 0;
   for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) running[e] = 0;
   __syncthreads();
-  for (uint32_t jb = 0; jb < n; jb += kThreads) {
+  // One pass = kThreads tokens, one per thread. The first kRegK indices of the token are loaded together (one memory
+  // latency instead of K) and kept in registers for the emit step. A repeated expert finds its own lane bit already
+  // set: atomicOr's old value marks it (dupMask, k < 64), so no k^2 re-reading of the token's indices.
+  auto pass = [&](uint32_t jb, bool emitEntries) {
     const uint32_t j = jb + threadIdx.x;
-    const bool active = j < n;
+    const bool active = j < hi;
     const uint32_t t = j * D + g.rank % D;
-    // The first kRegK indices of the token are loaded together (independent loads in flight, one memory latency
-    // instead of K) and kept in registers for the second pass.
     int64_t ev[kRegK];
 #pragma unroll
     for (int k = 0; k < kRegK; ++k) {
       ev[k] = active && static_cast<uint32_t>(k) < K ? loadIndex(a.indices, a.indexKind, a.indexStrides, t, k) : -1;
     }
-    // A repeated expert finds its own lane bit already set: atomicOr's old value marks it (dupMask, k < 64), so
-    // no k^2 re-reading of the token's indices.
     uint64_t dupMask = 0;
     auto mark = [&](uint32_t k, int64_t e) {
       if (e < -1 || e >= static_cast<int64_t>(E)) {
@@ -210,37 +250,30 @@ __device__ void dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
       running[e] = r;
     }
     __syncthreads();
-    // Entries k0 and k0 + 1 travel as one 16-byte store per receiver when K is even (then 16-byte aligned), else
-    // as two 8-byte stores.
-    const bool pairs = K % 2 == 0;
-    auto emit = [&](uint32_t k0, int64_t e0, int64_t e1) {
-      const int64_t ek[2] = {e0, e1};
-      int32_t le[2] = {-1, -1}, pos[2] = {0, 0};
-      uint32_t owner[2] = {W, W};
+    if (emitEntries && active) {
+      // Entries k0 and k0 + 1 travel as one 16-byte store per receiver (odd K: the last pair's second entry is
+      // padding); the pairs of consecutive tokens are adjacent (routeIndex), so the warp's stores are coalesced.
+      auto emit = [&](uint32_t k0, int64_t e0, int64_t e1) {
+        const int64_t ek[2] = {e0, e1};
+        int32_t le[2] = {-1, -1}, pos[2] = {0, 0};
+        uint32_t owner[2] = {W, W};
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t k = k0 + h;
-        if (k < K && ek[h] >= 0 && ek[h] < static_cast<int64_t>(E)) {
-          const uint32_t ue = static_cast<uint32_t>(ek[h]);
-          le[h] = static_cast<int32_t>(ue % L) | ((dupMask >> k) & 1 ? kDupBit : 0);
-          pos[h] = base[warp * E + ue] + __popc(bits[warp * E + ue] & laneMaskLt());
-          owner[h] = ue / L;
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t k = k0 + h;
+          if (k < K && ek[h] >= 0 && ek[h] < static_cast<int64_t>(E)) {
+            const uint32_t ue = static_cast<uint32_t>(ek[h]);
+            le[h] = static_cast<int32_t>(ue % L) | ((dupMask >> k) & 1 ? kDupBit : 0);
+            pos[h] = base[warp * E + ue] + __popc(bits[warp * E + ue] & laneMaskLt());
+            owner[h] = ue / L;
+          }
         }
-      }
-      const uint64_t off =
-          g.offRoute + ((static_cast<uint64_t>(g.rank) * g.slotsPerSender + j) * K + k0) * sizeof(RouteEntry);
-      for (uint32_t d = 0; d < W; ++d) {
-        const int4 v{d == owner[0] ? le[0] : -1, d == owner[0] ? pos[0] : 0, d == owner[1] ? le[1] : -1,
-                     d == owner[1] ? pos[1] : 0};
-        if (pairs) {
+        const uint64_t off = g.offRoute + routeIndex(K, g.slotsPerSender, g.rank, j, k0) * sizeof(RouteEntry);
+        for (uint32_t d = 0; d < W; ++d) {
+          const int4 v{d == owner[0] ? le[0] : -1, d == owner[0] ? pos[0] : 0, d == owner[1] ? le[1] : -1,
+                       d == owner[1] ? pos[1] : 0};
           st16(a.peers[d] + off, v);
-        } else {
-          *reinterpret_cast<int2*>(a.peers[d] + off) = make_int2(v.x, v.y);
-          if (k0 + 1 < K) *reinterpret_cast<int2*>(a.peers[d] + off + sizeof(RouteEntry)) = make_int2(v.z, v.w);
         }
-      }
-    };
-    if (active) {
+      };
 #pragma unroll
       for (int k0 = 0; k0 < kRegK; k0 += 2) {
         if (static_cast<uint32_t>(k0) < K) emit(k0, ev[k0], ev[k0 + 1]);
@@ -253,14 +286,46 @@ __device__ void dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
     __syncthreads();
     for (uint32_t i = threadIdx.x; i < kWarps * E; i += blockDim.x) bits[i] = 0;
     __syncthreads();
+  };
+  // After counting its chunk: publish the histogram, wait for the other routing blocks, start the positions at the
+  // earlier chunks' total; the last chunk writes the totals (counts) into the receivers.
+  auto publishChunk = [&]() -> bool {
+    for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) a.st.routeScratch[chunk * E + e] = running[e];
+    __syncthreads();
+    bool ok = true;
+    if (threadIdx.x == 0) {
+      __threadfence();
+      atomicAdd(a.st.routeArrived, 1u);
+      ok = waitCounter(a.st.routeArrived, round * R, a.st, static_cast<int32_t>(g.rank));
+    }
+    if (__syncthreads_and(ok ? 1 : 0) == 0) return false;
+    for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
+      int32_t before = 0;
+      for (uint32_t c = 0; c < chunk; ++c) before += __ldcg(a.st.routeScratch + c * E + e);
+      if (chunk == R - 1) {
+        reinterpret_cast<int32_t*>(a.peers[e / L] + g.offCounts)[g.rank * L + e % L] = before + running[e];
+      }
+      running[e] = before;
+    }
+    __syncthreads();
+    tracePoint(a.st, kTrRouteCounts);
+    return true;
+  };
+  // Phase 0 (R > 1 only) counts the chunk, phase 1 emits positions. One call site of `pass`, so its code exists
+  // once: only the routing blocks run it, so each instruction is an i-cache miss on first use.
+  for (uint32_t phase = R > 1 ? 0 : 1; phase < 2; ++phase) {
+    if (phase == 1 && R > 1 && !publishChunk()) return false;
+    for (uint32_t jb = lo; jb < hi; jb += kThreads) pass(jb, phase == 1);
   }
-  for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
-    const uint32_t d = e / L;
-    reinterpret_cast<int32_t*>(a.peers[d] + g.offCounts)[g.rank * L + e % L] = running[e];
+  if (R == 1) {
+    for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
+      reinterpret_cast<int32_t*>(a.peers[e / L] + g.offCounts)[g.rank * L + e % L] = running[e];
+    }
   }
-  if (threadIdx.x < W) {
+  if (chunk == 0 && threadIdx.x < W) {
     reinterpret_cast<int32_t*>(a.peers[threadIdx.x] + g.offNumTokens)[g.rank] = static_cast<int32_t>(n);
   }
+  return true;
 }
 
 // Send half, payload. Work unit = (token, piece of 32 * kUnroll vectors), so a decode-sized batch spreads over many
@@ -378,7 +443,7 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
     }
     const int32_t n = mode == kExpandOwn ? static_cast<int32_t>(nOwn) : numTokens[s];
     RouteEntry e0{-1, 0};
-    if (lane < K) e0 = route[(static_cast<uint64_t>(s) * Ts + j) * K + lane];
+    if (lane < K) e0 = route[routeIndex(K, Ts, s, j, lane)];
     int4 v[kUnroll];
     const uint32_t u0 = piece * 32 * kUnroll + lane;
 #pragma unroll
@@ -398,7 +463,7 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
     if (j >= static_cast<uint32_t>(n)) continue;
     for (uint32_t k0 = 0; k0 < K; k0 += 32) {
       const RouteEntry e = k0 == 0         ? e0
-                           : k0 + lane < K ? route[(static_cast<uint64_t>(s) * Ts + j) * K + k0 + lane]
+                           : k0 + lane < K ? route[routeIndex(K, Ts, s, j, k0 + lane)]
                                            : RouteEntry{-1, 0};
       int64_t rowOff = -1, scaleOff = 0;
       if (e.le >= 0 && (e.le & kDupBit) == 0) {
@@ -442,73 +507,74 @@ __device__ bool waitRanks(char* local, const Geometry& g, int which, uint32_t ma
   return __syncthreads_and(ok ? 1 : 0) != 0;
 }
 
-// Thread 0 of block 0, after the routing scan: the routing entries and counts are in every receiver.
-__device__ void signalRoutes(char* const* peers, const Geometry& g) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    fenceAcqRelSys();
-    for (uint32_t d = 0; d < g.worldSize; ++d) redAddReleaseSys(flagPtr(peers[d], g, kFlagRoute, g.rank), 1);
-  }
-}
-
-// Fused dispatch with roles, so this rank's own tokens never wait for NVLink:
-//   block 0               routing scan, signals "routes" then "dispatch" to every rank;
-//   blocks [1, 1 + P)     copy this rank's tokens to the *other* ranks' staging, signal "dispatch";
-//   blocks [1 + P, B)     signal "dispatch" at once (they store nothing into peers), wait for every rank's routes,
+// Fused dispatch with roles, so this rank's own tokens never wait for NVLink (R = g.routeBlocks):
+//   blocks [0, R)         routing scan, signal "routes" and "dispatch" to every rank;
+//   blocks [R, R + P)     copy this rank's tokens to the *other* ranks' staging, signal "dispatch";
+//   blocks [R + P, B)     signal "dispatch" at once (they store nothing into peers), wait for every rank's routes,
 //                         expand this rank's own tokens straight from x (HBM to HBM, overlapping the NVLink copy);
 //   then every block      waits for the other ranks' "dispatch" flags and expands their tokens from staging.
-// Own staging slots are not written (nothing else reads them).
+// Own staging slots are not written (nothing else reads them). `sendRound`: this send's number (1-based).
 __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32_t n, uint32_t round,
-                              uint32_t payloadBlocks) {
+                              uint32_t sendRound, uint32_t payloadBlocks) {
   const Geometry& g = a.g;
-  const uint32_t W = g.worldSize, B = gridDim.x;
+  const uint32_t W = g.worldSize, B = gridDim.x, R = g.routeBlocks;
   char* local = a.peers[g.rank];
-  const uint32_t firstLocal = 1 + payloadBlocks;
+  const uint32_t firstLocal = R + payloadBlocks;
   const uint32_t allRanks = W >= 32 ? 0xffffffffu : (1u << W) - 1;
   const uint32_t peerRanks = allRanks & ~(1u << g.rank);
-  if (blockIdx.x == 0) {
-    dispatchRouting(a, n, smem);
-    signalRoutes(a.peers, g);
-    signalAllRanks(a.peers, g, kFlagDispatch);
+  const uint64_t routesExpected = static_cast<uint64_t>(round) * R;
+  if (blockIdx.x < R) {
+    if (!dispatchRouting(a, n, smem, blockIdx.x, sendRound)) return;
+    tracePoint(a.st, kTrRouted);
+    signalAllRanks(a.peers, g, kFlagRoute, kFlagDispatch);  // routes and counts are in every receiver
+    tracePoint(a.st, kTrRouteSignalled);
   } else if (blockIdx.x < firstLocal) {
-    dispatchPayload(a, n, (blockIdx.x - 1) * kWarps + threadIdx.x / 32, payloadBlocks * kWarps, peerRanks);
+    dispatchPayload(a, n, spreadWarp(blockIdx.x - R, payloadBlocks), payloadBlocks * kWarps, peerRanks);
+    tracePoint(a.st, kTrStored);
     signalAllRanks(a.peers, g, kFlagDispatch);
+    tracePoint(a.st, kTrSignalled);
   } else {
     signalAllRanks(a.peers, g, kFlagDispatch);
-    if (!waitRanks(local, g, kFlagRoute, allRanks, round, a.st, kPhaseDispatchRecv)) return;
+    if (!waitRanks(local, g, kFlagRoute, allRanks, routesExpected, a.st, kPhaseDispatchRecv)) return;
+    tracePoint(a.st, kTrRoutesIn);
     const RowTables rt = computeRows(local, g, smem, a.packed != 0, a.padding);
     if (blockIdx.x == firstLocal) {
       for (uint32_t le = threadIdx.x; le < g.numLocalExperts; le += blockDim.x) a.outNumTokens[le] = rt.total[le];
     }
-    expandTokens(a, rt, kExpandOwn, n, (blockIdx.x - firstLocal) * kWarps + threadIdx.x / 32,
-                 (B - firstLocal) * kWarps);
+    expandTokens(a, rt, kExpandOwn, n, spreadWarp(blockIdx.x - firstLocal, B - firstLocal), (B - firstLocal) * kWarps);
+    tracePoint(a.st, kTrOwnDone);
   }
   if (peerRanks == 0) return;
-  if (!waitRanks(local, g, kFlagRoute, allRanks, round, a.st, kPhaseDispatchRecv)) return;
+  if (!waitRanks(local, g, kFlagRoute, allRanks, routesExpected, a.st, kPhaseDispatchRecv)) return;
   if (!waitRanks(local, g, kFlagDispatch, peerRanks, static_cast<uint64_t>(round) * g.blocks, a.st,
                  kPhaseDispatchRecv)) {
     return;
   }
+  tracePoint(a.st, kTrPeersIn);
   __syncthreads();  // the own-token expansion's smem row tables are rebuilt below
   const RowTables rt = computeRows(local, g, smem, a.packed != 0, a.padding);
-  expandTokens(a, rt, kExpandPeers, n, blockIdx.x * kWarps + threadIdx.x / 32, B * kWarps);
+  tracePoint(a.st, kTrRows);
+  expandTokens(a, rt, kExpandPeers, n, spreadWarp(blockIdx.x, B), B * kWarps);
 }
 
 template <bool kSend, bool kRecv>
 __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKernelArgs a) {
   extern __shared__ int32_t smem[];
+  tracePoint(a.st, kTrEntry);
   if (aborted(a.st)) return;
   const Geometry& g = a.g;
   const uint32_t B = gridDim.x;
   if constexpr (kSend && kRecv) {
-    // Roles need a payload block (when there are peers) and an own-expansion block besides block 0.
-    const uint32_t payloadBlocks = g.worldSize > 1 ? (B - 1) / 2 : 0;
-    if (B >= 3 || (g.worldSize == 1 && B >= 2)) {
+    // Roles need a payload block (when there are peers) and an own-expansion block besides the routing blocks.
+    const uint32_t R = g.routeBlocks;
+    const uint32_t payloadBlocks = g.worldSize > 1 && B > R ? (B - R) / 2 : 0;
+    if (B >= R + 2 || (g.worldSize == 1 && B >= R + 1)) {
       const uint32_t seqSend = a.st.seq[kSeqDispatchSend * B + blockIdx.x];
       const uint32_t round = a.st.seq[kSeqDispatchRecv * B + blockIdx.x] + 1;
       const uint32_t n = numTokensSentBy(g.rank, effectiveBound(a.boundM, a.m), g.dpSize);
-      fusedDispatch(a, smem, n, round, payloadBlocks);
+      fusedDispatch(a, smem, n, round, seqSend + 1, payloadBlocks);
       __syncthreads();
+      tracePoint(a.st, kTrExit);
       if (threadIdx.x == 0 && !aborted(a.st)) {
         a.st.seq[kSeqDispatchSend * B + blockIdx.x] = seqSend + 1;
         a.st.seq[kSeqDispatchRecv * B + blockIdx.x] = round;
@@ -520,16 +586,21 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
     const uint32_t seq = a.st.seq[kSeqDispatchSend * B + blockIdx.x];
     const uint32_t n = numTokensSentBy(g.rank, effectiveBound(a.boundM, a.m), g.dpSize);
     const uint32_t all = g.worldSize >= 32 ? 0xffffffffu : (1u << g.worldSize) - 1;
-    if (blockIdx.x == 0) {
-      dispatchRouting(a, n, smem);
-      signalRoutes(a.peers, g);
+    const uint32_t R = g.routeBlocks;
+    const bool router = blockIdx.x < R;
+    if (router) {
+      if (!dispatchRouting(a, n, smem, blockIdx.x, seq + 1)) return;
+      tracePoint(a.st, kTrRouted);
     }
-    if (blockIdx.x != 0 || B == 1) {
-      const uint32_t payloadBlocks = B == 1 ? 1 : B - 1;
-      const uint32_t blk = B == 1 ? 0 : blockIdx.x - 1;
-      dispatchPayload(a, n, blk * kWarps + threadIdx.x / 32, payloadBlocks * kWarps, all);
+    if (!router || B <= R) {  // B <= R only when B == 1: that block also copies
+      const uint32_t payloadBlocks = B > R ? B - R : B;
+      const uint32_t blk = B > R ? blockIdx.x - R : blockIdx.x;
+      dispatchPayload(a, n, spreadWarp(blk, payloadBlocks), payloadBlocks * kWarps, all);
+      tracePoint(a.st, kTrStored);
     }
-    signalAllRanks(a.peers, g, kFlagDispatch);
+    // A routing block signals "routes" with its "dispatch" increment (one fence).
+    signalAllRanks(a.peers, g, kFlagDispatch, router ? kFlagRoute : -1);
+    tracePoint(a.st, kTrSignalled);
     if (threadIdx.x == 0) a.st.seq[kSeqDispatchSend * B + blockIdx.x] = seq + 1;
   }
   if constexpr (kRecv) {
@@ -538,12 +609,15 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
                       kPhaseDispatchRecv)) {
       return;
     }
+    tracePoint(a.st, kTrPeersIn);
     const RowTables rt = computeRows(a.peers[g.rank], g, smem, a.packed != 0, a.padding);
+    tracePoint(a.st, kTrRows);
     if (blockIdx.x == 0) {
       for (uint32_t le = threadIdx.x; le < g.numLocalExperts; le += blockDim.x) a.outNumTokens[le] = rt.total[le];
     }
-    expandTokens(a, rt, kExpandAll, 0, blockIdx.x * kWarps + threadIdx.x / 32, B * kWarps);
+    expandTokens(a, rt, kExpandAll, 0, spreadWarp(blockIdx.x, B), B * kWarps);
     __syncthreads();
+    tracePoint(a.st, kTrExit);
     if (threadIdx.x == 0) a.st.seq[kSeqDispatchRecv * B + blockIdx.x] = seq;
   }
 }
@@ -605,13 +679,14 @@ __device__ void combineSendBody(const CombineKernelArgs& a, int32_t* smem) {
   const Geometry& g = a.g;
   char* local = a.peers[g.rank];
   const RowTables rt = computeRows(local, g, smem, a.packed != 0, a.padding);
+  tracePoint(a.st, kTrRows);
   const uint32_t L = g.numLocalExperts, K = g.topK, W = g.worldSize, Ts = g.slotsPerSender, D = g.dpSize;
   const int32_t* numTokens = reinterpret_cast<const int32_t*>(local + g.offNumTokens);
   const RouteEntry* route = reinterpret_cast<const RouteEntry*>(local + g.offRoute);
   const float* weights = reinterpret_cast<const float*>(local + g.offWeights);
   const PT* y = reinterpret_cast<const PT*>(a.y);
   const uint32_t lane = threadIdx.x % 32;
-  const uint32_t warpId = blockIdx.x * kWarps + threadIdx.x / 32, numWarps = gridDim.x * kWarps;
+  const uint32_t warpId = spreadWarp(blockIdx.x, gridDim.x), numWarps = gridDim.x * kWarps;
   const uint32_t units = g.hiddenDim / N;
   // NOTE: one work unit = one token and one chunk of kChunkU units per lane, so a warp keeps kChunkU independent
   // loads in flight per expert row and the rows of one token spread over several warps (a warp walking a whole
@@ -635,7 +710,7 @@ __device__ void combineSendBody(const CombineKernelArgs& a, int32_t* smem) {
     for (uint32_t h = 0; h < 2; ++h) {
       const uint32_t k = h * 32 + lane;
       if (k < K) {
-        const RouteEntry e = route[(static_cast<uint64_t>(s) * Ts + j) * K + k];
+        const RouteEntry e = route[routeIndex(K, Ts, s, j, k)];
         if (e.le >= 0) {
           const int32_t le = e.le & ~kDupBit;
           const int64_t idx = rt.rowBase[le] + rt.senderBase[s * L + le] + e.pos;
@@ -690,7 +765,7 @@ __device__ void combineRecvBody(const CombineKernelArgs& a) {
   const char* local = a.peers[g.rank];
   const uint32_t bound = effectiveBound(a.boundM, a.m);
   const uint32_t lane = threadIdx.x % 32;
-  const uint32_t warpId = blockIdx.x * kWarps + threadIdx.x / 32, numWarps = gridDim.x * kWarps;
+  const uint32_t warpId = spreadWarp(blockIdx.x, gridDim.x), numWarps = gridDim.x * kWarps;
   const uint32_t units = g.hiddenDim / N;
   OT* out = reinterpret_cast<OT*>(a.out);
   const uint32_t chunks = static_cast<uint32_t>(ceilDiv(units, 32 * kChunkU));
@@ -771,16 +846,19 @@ __device__ void combineRecvBody(const CombineKernelArgs& a) {
 template <bool kSend, bool kRecv, typename PT, typename OT>
 __global__ void __launch_bounds__(kThreads, 1) combineKernel(const CombineKernelArgs a) {
   extern __shared__ int32_t smem[];
+  tracePoint(a.st, kTrEntry);
   if (aborted(a.st)) return;
   const Geometry& g = a.g;
   const uint32_t B = gridDim.x;
   const bool wide = g.hiddenDim % 8 == 0;
   if constexpr (kSend) {
     const uint32_t seq = a.st.seq[kSeqCombineSend * B + blockIdx.x] + 1;
-    if (blockIdx.x == 0) {
+    {
+      // Every block pushes its share of this rank's router weights [n, K] to every rank, then signals "entered
+      // combine" (B signals per rank per round; the weights of a prefill batch are 256 KB per rank).
       const uint32_t n = numTokensSentBy(g.rank, effectiveBound(a.boundM, a.mSend), g.dpSize);
       const uint32_t K = g.topK;
-      for (uint32_t i = threadIdx.x; i < n * K; i += blockDim.x) {
+      for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n * K; i += gridDim.x * blockDim.x) {
         const uint32_t j = i / K, k = i % K;
         const uint32_t t = j * g.dpSize + g.rank % g.dpSize;
         const float w =
@@ -789,14 +867,21 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(const CombineKernel
         for (uint32_t d = 0; d < g.worldSize; ++d) *reinterpret_cast<float*>(a.peers[d] + off) = w;
       }
       signalAllRanks(a.peers, g, kFlagCombineEnter);
+      tracePoint(a.st, kTrRouted);
     }
-    if (!waitAllRanks(a.peers[g.rank], g, kFlagCombineEnter, seq, a.st, kPhaseCombineEnter)) return;
+    if (!waitAllRanks(a.peers[g.rank], g, kFlagCombineEnter, static_cast<uint64_t>(seq) * g.blocks, a.st,
+                      kPhaseCombineEnter)) {
+      return;
+    }
+    tracePoint(a.st, kTrRoutesIn);
     if (wide) {
       combineSendBody<PT, 8>(a, smem);
     } else {
       combineSendBody<PT, 4>(a, smem);
     }
+    tracePoint(a.st, kTrStored);
     signalAllRanks(a.peers, g, kFlagCombineDone);
+    tracePoint(a.st, kTrSignalled);
     if (threadIdx.x == 0) a.st.seq[kSeqCombineSend * B + blockIdx.x] = seq;
   }
   if constexpr (kRecv) {
@@ -805,12 +890,14 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(const CombineKernel
                       kPhaseCombineRecv)) {
       return;
     }
+    tracePoint(a.st, kTrPeersIn);
     if (wide) {
       combineRecvBody<PT, OT, 8>(a);
     } else {
       combineRecvBody<PT, OT, 4>(a);
     }
     __syncthreads();
+    tracePoint(a.st, kTrExit);
     if (threadIdx.x == 0) a.st.seq[kSeqCombineRecv * B + blockIdx.x] = seq;
   }
 }

@@ -18,6 +18,31 @@ struct DeviceState {
   int32_t* claimed;        ///< device word: first kernel to record an error claims it; kernels then bail out
   ErrorRecord* hostError;  ///< device pointer of the host-mapped error record
   uint64_t timeoutNs;      ///< bound of every device wait
+  /// Routing blocks of one send: per-chunk expert histograms [R][E] and a monotone arrival counter (R per round).
+  int32_t* routeScratch;
+  uint32_t* routeArrived;
+  /// Diagnostics (EPCOMM_NVLINK_TRACE): [blocks][kTracePhases] %globaltimer stamps of this launch, or null. Thread 0
+  /// of each block stamps the phases it passes (see TracePhase); nvlink_trace.cc summarises them.
+  uint64_t* trace;
+};
+constexpr int kTracePhases = 12;
+/// Phase stamps. Dispatch: kTrEntry every block; kTrRouted / kTrRouteSignalled block 0 (routing scan); kTrStored /
+/// kTrSignalled the payload blocks; kTrRoutesIn / kTrOwnDone the own-token blocks of the fused kernel;
+/// kTrPeersIn / kTrRows / kTrExit every receiving block. Combine: kTrRouted = weights pushed (block 0), kTrRoutesIn =
+/// every rank entered, kTrRows = row tables, kTrStored = partials stored, kTrSignalled = done signalled,
+/// kTrPeersIn = every partial arrived, kTrExit.
+enum TracePhase : int {
+  kTrEntry = 0,
+  kTrRouted = 1,
+  kTrRouteSignalled = 2,
+  kTrStored = 3,
+  kTrSignalled = 4,
+  kTrRoutesIn = 5,
+  kTrOwnDone = 6,
+  kTrPeersIn = 7,
+  kTrRows = 8,
+  kTrExit = 9,
+  kTrRouteCounts = 10,
 };
 constexpr int kSeqDispatchSend = 0;
 constexpr int kSeqDispatchRecv = 1;

@@ -35,7 +35,7 @@ constexpr uint32_t kNumFlags = 4;
 ///               entries and counts are in place)
 ///   numTokens   i32 [W]                 tokens sender s sent this round (its n_s)
 ///   counts      i32 [W][L]              tokens sender s routed to each local expert
-///   route       RouteEntry [W][Ts][K]   per sent token: its K entries as seen from this rank
+///   route       RouteEntry [W][K/2][Ts][2]  per sent token: its K entries as seen from this rank (see routeIndex)
 ///   payload     u8 [W][Ts][slotBytes]   token bytes then scales, slot = token index / D
 ///   weights     f32 [W][Ts][K]          router weights pushed by the token's sender at combine start
 ///   partials    u8 [W][T][partialBytes] per expert rank e: sum over e's experts of w * y for token t
@@ -49,10 +49,20 @@ struct Geometry {
   uint32_t slotBytes;       ///< roundUp(hiddenBytes + scaleBytes, 16)
   uint32_t partialBytes;    ///< H * 4 (room for fp32 partials)
   uint32_t blocks;          ///< B: blocks of every kernel, equal on every rank (flags count B signals per round)
+  uint32_t routeBlocks;     ///< R: blocks sharing the routing scan (R route signals per sender per round)
+  uint32_t routeChunk;      ///< tokens per routing block, a multiple of kThreads
   uint64_t offFlags, offNumTokens, offCounts, offRoute, offPayload, offWeights, offPartials, totalBytes;
 };
 
 EPCOMM_HD uint64_t align256(uint64_t x) { return roundUpPow2(x, 256); }
+
+/// Index (in RouteEntry units, from offRoute) of entry k of sender s's token slot j. Entries k = 2p, 2p + 1 form a
+/// 16-byte pair and pairs are laid out [s][p][j]: consecutive tokens' pairs are adjacent, so a warp of routing
+/// threads (one token each) writes whole 128-byte lines across NVLink instead of 16 bytes every 64.
+EPCOMM_HD uint64_t routeIndex(uint32_t K, uint32_t Ts, uint32_t s, uint32_t j, uint32_t k) {
+  const uint64_t pairs = (K + 1) / 2;
+  return ((static_cast<uint64_t>(s) * pairs + k / 2) * Ts + j) * 2 + (k & 1);
+}
 
 /// Fills a Geometry for `config` with `blocks` blocks per kernel.
 inline Geometry makeGeometry(const Config& c, uint32_t blocks) {
@@ -71,6 +81,12 @@ inline Geometry makeGeometry(const Config& c, uint32_t blocks) {
   g.slotBytes = static_cast<uint32_t>(roundUpPow2(c.hiddenDimBytes + c.hiddenDimScaleBytes, 16));
   g.partialBytes = c.hiddenDim * 4;
   g.blocks = blocks;
+  // One routing block per kThreads tokens (decode: 1), at most a quarter of the blocks, so the fused kernel keeps
+  // payload and expansion blocks.
+  const uint64_t passes = ceilDiv(g.slotsPerSender, kThreads);
+  const uint64_t maxRoute = blocks / 4 > 0 ? blocks / 4 : 1;
+  g.routeBlocks = static_cast<uint32_t>(passes < maxRoute ? passes : maxRoute);
+  g.routeChunk = static_cast<uint32_t>(ceilDiv(passes, g.routeBlocks) * kThreads);
   const uint64_t W = c.worldSize, Ts = g.slotsPerSender, K = c.expertsPerToken;
   uint64_t off = 0;
   g.offFlags = off;
@@ -80,7 +96,7 @@ inline Geometry makeGeometry(const Config& c, uint32_t blocks) {
   g.offCounts = off;
   off = align256(off + W * g.numLocalExperts * sizeof(int32_t));
   g.offRoute = off;
-  off = align256(off + W * Ts * K * sizeof(RouteEntry));
+  off = align256(off + W * Ts * roundUpPow2(K, 2) * sizeof(RouteEntry));
   g.offPayload = off;
   off = align256(off + W * Ts * g.slotBytes);
   g.offWeights = off;
@@ -117,6 +133,7 @@ enum ErrorPhase : int32_t {
   kPhaseCombineEnter = 2,  ///< combine-send waiting for a peer to enter combine (its weights)
   kPhaseCombineRecv = 3,   ///< combine-recv waiting for an expert rank's partials
   kPhaseBadIndex = 4,      ///< dispatch-send saw an expert index outside [-1, E)
+  kPhaseRouteSync = 5,     ///< dispatch-send's routing blocks waiting for each other (same GPU)
 };
 
 }  // namespace nvlink

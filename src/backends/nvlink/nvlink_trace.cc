@@ -1,0 +1,102 @@
+#include "backends/nvlink/nvlink_trace.hpp"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+
+#include "backends/nvlink/nvlink_kernels.hpp"
+#include "epcomm/error.hpp"
+
+namespace epcomm {
+namespace nvlink {
+
+namespace {
+
+const char* const kKindNames[PhaseTrace::kKinds] = {"dispatch",     "dispatch.send", "dispatch.recv",
+                                                    "combine",      "combine.send",  "combine.recv"};
+const char* const kPhaseNames[kTracePhases] = {"entry",   "routed",  "route-sig", "stored", "signalled", "routes-in",
+                                               "own-done", "peers-in", "rows",     "exit",   "counts",    "p11"};
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+PhaseTrace::~PhaseTrace() {
+  if (dev_ != nullptr) cudaFree(dev_);
+}
+
+void PhaseTrace::enable(uint32_t blocks) {
+  blocks_ = blocks;
+  const size_t bytes = static_cast<size_t>(kSlots) * blocks * kTracePhases * sizeof(uint64_t);
+  cudaError_t e = cudaMalloc(&dev_, bytes);
+  if (e == cudaSuccess) e = cudaMemset(dev_, 0, bytes);
+  EPCOMM_CHECK(e == cudaSuccess, kCuda, "EPCOMM_NVLINK_TRACE: cannot allocate " << bytes << " B of trace slots: "
+                                                                                  << cudaGetErrorString(e));
+  slotKind_.assign(kSlots, -1);
+}
+
+uint64_t* PhaseTrace::next(Kind kind, bool send, bool recv) {
+  if (dev_ == nullptr) return nullptr;
+  const int k = kind + (send && recv ? 0 : send ? 1 : 2);
+  const uint32_t slot = static_cast<uint32_t>(launches_++ % kSlots);
+  slotKind_[slot] = k;
+  return dev_ + static_cast<size_t>(slot) * blocks_ * kTracePhases;
+}
+
+std::string PhaseTrace::summary(int rank) {
+  if (dev_ == nullptr || launches_ == 0) return {};
+  std::vector<uint64_t> host(static_cast<size_t>(kSlots) * blocks_ * kTracePhases);
+  if (cudaDeviceSynchronize() != cudaSuccess ||
+      cudaMemcpy(host.data(), dev_, host.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost) != cudaSuccess) {
+    cudaGetLastError();
+    return "nvlink trace: cannot read the trace slots\n";
+  }
+  std::ostringstream out;
+  for (int kind = 0; kind < kKinds; ++kind) {
+    // first[p], last[p]: per launch, the earliest / latest block's stamp of phase p minus the launch's first entry.
+    std::vector<std::vector<double>> first(kTracePhases), last(kTracePhases);
+    int n = 0;
+    for (uint32_t s = 0; s < kSlots; ++s) {
+      if (slotKind_[s] != kind) continue;
+      const uint64_t* slot = host.data() + static_cast<size_t>(s) * blocks_ * kTracePhases;
+      uint64_t t0 = UINT64_MAX;
+      for (uint32_t b = 0; b < blocks_; ++b) {
+        if (slot[b * kTracePhases] != 0) t0 = std::min(t0, slot[b * kTracePhases]);
+      }
+      if (t0 == UINT64_MAX) continue;
+      ++n;
+      for (int p = 0; p < kTracePhases; ++p) {
+        uint64_t lo = UINT64_MAX, hi = 0;
+        for (uint32_t b = 0; b < blocks_; ++b) {
+          const uint64_t t = slot[b * kTracePhases + p];
+          if (t < t0) continue;  // not reached in this launch (zero, or a stamp of the slot's previous launch)
+          lo = std::min(lo, t);
+          hi = std::max(hi, t);
+        }
+        if (hi == 0) continue;
+        first[p].push_back((lo - t0) / 1e3);
+        last[p].push_back((hi - t0) / 1e3);
+      }
+    }
+    if (n == 0) continue;
+    out << "nvlink trace rank " << rank << " " << kKindNames[kind] << " (" << n << " launches, " << blocks_
+        << " blocks; us since the first block started, median first/last block):";
+    for (int p = 0; p < kTracePhases; ++p) {
+      if (first[p].empty()) continue;
+      char buf[96];
+      std::snprintf(buf, sizeof(buf), " %s %.2f/%.2f", kPhaseNames[p], median(first[p]), median(last[p]));
+      out << buf;
+    }
+    out << "\n";
+  }
+  return out.str();
+}
+
+}  // namespace nvlink
+}  // namespace epcomm
