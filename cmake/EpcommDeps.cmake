@@ -9,6 +9,9 @@ if(EPCOMM_WITH_CUDA)
   endif()
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
+    # One CUDA runtime per process: the shared libcudart (the one PyTorch and NCCL load too). The default static
+    # runtime would put a second copy beside the shared one that CUDA::cudart brings in.
+    set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
     enable_language(CUDA)
     set(CMAKE_CUDA_STANDARD 17)
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)

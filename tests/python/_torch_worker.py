@@ -285,7 +285,7 @@ def _progress_log(rank: int):
     log_dir = os.environ.get("TORCH_WORKER_LOG_DIR")
     if log_dir:
         sinks.append(open(os.path.join(log_dir, f"torch_worker_rank{rank}.log"), "w", buffering=1))
-    faulthandler.enable(file=sinks[-1])  # a crash (SIGSEGV, SIGABRT) prints the Python stack before the process dies
+    faulthandler.enable(file=sys.stderr)  # a crash (SIGSEGV, SIGABRT) prints the Python stack before the process dies
     faulthandler.dump_traceback_later(90, repeat=False, file=sinks[-1])
 
     def log(msg: str) -> None:
