@@ -59,9 +59,10 @@ __device__ __forceinline__ bool aborted(const DeviceState& st) {
   return *reinterpret_cast<volatile int32_t*>(st.claimed) != 0;
 }
 
-// The first error wins; later ones are dropped (the host reports one and the object refuses further use). Not
-// inlined: it sits in unrolled loops on the routing block's path, where every instruction is fetched cold.
-__device__ __noinline__ void recordError(const DeviceState& st, int32_t phase, int32_t rank, int32_t peer, int64_t a, int64_t b) {
+// The first error wins; later ones are dropped (the host reports one and the object refuses further use).
+// NOTE: keep it inlined. As a __noinline__ function taking `const DeviceState&` it made every kernel copy its
+// parameters to local memory (ptxas: 440-520 bytes of stack) and decode got ~10 us slower (docs/nvlink.md).
+__device__ void recordError(const DeviceState& st, int32_t phase, int32_t rank, int32_t peer, int64_t a, int64_t b) {
   if (atomicCAS(st.claimed, 0, 1) != 0) return;
   volatile ErrorRecord* r = st.hostError;
   r->rank = rank;
