@@ -2,7 +2,7 @@
 //
 //   epcomm-bench [--backend nvlink|host|auto] [--world W] [--config decode,prefill,small,qwen3]
 //                [--tokens 1,8,32,128,512,4096] [--iters 200] [--warmup 20] [--dp 1] [--json out.jsonl]
-//                [--barrier shm|tcp]
+//                [--barrier shm|tcp] [--floor]
 //
 // Starts W processes itself (fork + exec of this binary with EPCOMM_RANK / EPCOMM_WORLD_SIZE / EPCOMM_BOOTSTRAP /
 // EPCOMM_LOCAL_RANK), one per GPU. Timing (the method, so numbers compare with the peers measured there):
@@ -61,6 +61,8 @@
 #endif
 
 void epcommBenchSpin(cudaStream_t stream, unsigned nanoseconds);
+void epcommBenchEmpty(cudaStream_t stream, int blocks);
+void epcommBenchFlagPing(cudaStream_t stream, int blocks, uint64_t* nextFlag, const uint64_t* myFlag, uint64_t round);
 
 namespace epcomm {
 namespace {
@@ -82,6 +84,7 @@ struct Options {
   std::string json;
   std::string rev;
   std::string barrier = "shm";
+  bool floor = false;  // --floor: also time an empty launch and a one-flag exchange (the method's floor)
   // Given on the command line (else the host backend substitutes its own defaults, see applyHostDefaults).
   bool configsSet = false, tokensSet = false, itersSet = false, warmupSet = false;
 };
@@ -142,10 +145,14 @@ Options parse(int argc, char** argv) {
       o.barrier = next();
       EPCOMM_CHECK(o.barrier == "shm" || o.barrier == "tcp", kInvalidArgument,
                    "--barrier must be shm or tcp, got '" << o.barrier << "'");
+    } else if (a == "--floor") {
+      o.floor = true;
     } else if (a == "-h" || a == "--help") {
       std::cout << "epcomm-bench [--backend nvlink|host|auto] [--world W] [--config decode,prefill,small,qwen3]\n"
                    "             [--tokens 1,8,32,128,512,4096] [--iters 200] [--warmup 20] [--dp 1]\n"
-                   "             [--json out.jsonl] [--rev GIT_REV] [--barrier shm|tcp]\n"
+                   "             [--json out.jsonl] [--rev GIT_REV] [--barrier shm|tcp] [--floor]\n"
+                   "  --floor: also time, with the same method, an empty kernel and a one-flag exchange between\n"
+                   "  ranks (half the SMs' blocks of 512 threads, as the library launches): the floor of the method\n"
                    "  --backend host (and auto without a GPU): defaults --config decode,small,qwen3 --tokens 1,32,128\n"
                    "  --iters 50 --warmup 5; prefill only when named\n";
       std::exit(0);
@@ -247,6 +254,7 @@ class Bench {
     setupBarrier();
     if (rank_ == 0) printHeader();
     measureSkew();
+    if (o_.floor && !hostMode_) measureFloor();
     for (const std::string& name : o_.configs) {
       for (uint32_t T : o_.tokens) runOne(name, T);
     }
@@ -344,6 +352,45 @@ class Bench {
   void sync() {
     if (!hostMode_) BENCH_CUDA(cudaDeviceSynchronize());
     barrier();
+  }
+
+  // The method's floor: an empty kernel, and a kernel whose block 0 stores a flag into the next rank and waits for
+  // the previous rank's (one NVLink flag each way), eager and device-only, as many blocks as the library launches
+  // for decode. What any dispatch or combine costs at least when timed this way.
+  void measureFloor() {
+    uint64_t* flags = nullptr;
+    BENCH_CUDA(cudaMalloc(&flags, 256));
+    BENCH_CUDA(cudaMemset(flags, 0, 256));
+    cudaIpcMemHandle_t mine;
+    BENCH_CUDA(cudaIpcGetMemHandle(&mine, flags));
+    std::vector<cudaIpcMemHandle_t> all(world_);
+    bs_.allGather(&mine, all.data(), sizeof(mine));
+    const int next = (rank_ + 1) % world_;
+    void* nextFlags = flags;
+    if (next != rank_) BENCH_CUDA(cudaIpcOpenMemHandle(&nextFlags, all[next], cudaIpcMemLazyEnablePeerAccess));
+    int dev = 0, sms = 0;
+    BENCH_CUDA(cudaGetDevice(&dev));
+    BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    const int blocks = std::max(1, sms / 2);
+    uint64_t round = 0;
+    auto ping = [&] { epcommBenchFlagPing(stream_, blocks, static_cast<uint64_t*>(nextFlags), flags, ++round); };
+    const double empty = agree(timeIt([&] { epcommBenchEmpty(stream_, blocks); }, false));
+    const double flag = agree(timeIt(ping, false));
+    const double flagDevice = agree(timeIt(ping, true));
+    sync();
+    if (next != rank_) BENCH_CUDA(cudaIpcCloseMemHandle(nextFlags));
+    barrier();
+    BENCH_CUDA(cudaFree(flags));
+    if (rank_ != 0) return;
+    std::printf("# floor (%d blocks of 512 threads, median, max over ranks): empty kernel %.1f us; one flag each way %.1f us"
+                " eager, %.1f us device-only\n",
+                blocks, empty, flag, flagDevice);
+    std::fflush(stdout);
+    std::ostringstream f;
+    f << "{\"bench\":\"epcomm-floor\",\"world\":" << world_ << ",\"blocks\":" << blocks << ",\"empty_us\":" << empty
+      << ",\"flag_us\":" << flag << ",\"flag_device_us\":" << flagDevice << ",\"iters\":" << o_.iters
+      << ",\"rev\":\"" << gitRev(o_) << "\",\"machine\":\"" << machine_ << "\"}\n";
+    if (!o_.json.empty()) std::ofstream(o_.json, std::ios::app) << f.str();
   }
 
   // Times `fn` per iteration: barrier + device sync, then events around the call (or a steady clock on the host).
