@@ -382,14 +382,15 @@ class Bench {
     barrier();
     BENCH_CUDA(cudaFree(flags));
     if (rank_ != 0) return;
-    std::printf("# floor (%d blocks of 512 threads, median, max over ranks): empty kernel %.1f us; one flag each way %.1f us"
-                " eager, %.1f us device-only\n",
-                blocks, empty, flag, flagDevice);
+    std::printf(
+        "# floor (%d blocks of 512 threads, median, max over ranks): empty kernel %.1f us; one flag each way %.1f us"
+        " eager, %.1f us device-only\n",
+        blocks, empty, flag, flagDevice);
     std::fflush(stdout);
     std::ostringstream f;
     f << "{\"bench\":\"epcomm-floor\",\"world\":" << world_ << ",\"blocks\":" << blocks << ",\"empty_us\":" << empty
-      << ",\"flag_us\":" << flag << ",\"flag_device_us\":" << flagDevice << ",\"iters\":" << o_.iters
-      << ",\"rev\":\"" << gitRev(o_) << "\",\"machine\":\"" << machine_ << "\"}\n";
+      << ",\"flag_us\":" << flag << ",\"flag_device_us\":" << flagDevice << ",\"iters\":" << o_.iters << ",\"rev\":\""
+      << gitRev(o_) << "\",\"machine\":\"" << machine_ << "\"}\n";
     if (!o_.json.empty()) std::ofstream(o_.json, std::ios::app) << f.str();
   }
 

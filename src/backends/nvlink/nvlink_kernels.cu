@@ -19,8 +19,8 @@ namespace {
 
 using device::fenceAcqRelSys;
 using device::globalTimerNs;
-using device::ldAcquireGpu;
 using device::laneMaskLt;
+using device::ldAcquireGpu;
 using device::ldAcquireSys;
 using device::ldGlobalNc16;
 using device::redAddRelaxedSys;
@@ -464,9 +464,7 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
     }
     if (j >= static_cast<uint32_t>(n)) continue;
     for (uint32_t k0 = 0; k0 < K; k0 += 32) {
-      const RouteEntry e = k0 == 0         ? e0
-                           : k0 + lane < K ? route[routeIndex(K, Ts, s, j, k0 + lane)]
-                                           : RouteEntry{-1, 0};
+      const RouteEntry e = k0 == 0 ? e0 : k0 + lane < K ? route[routeIndex(K, Ts, s, j, k0 + lane)] : RouteEntry{-1, 0};
       int64_t rowOff = -1, scaleOff = 0;
       if (e.le >= 0 && (e.le & kDupBit) == 0) {
         const int64_t idx = rt.rowBase[e.le] + rt.senderBase[s * L + e.le] + e.pos;

@@ -14,10 +14,10 @@ namespace nvlink {
 
 namespace {
 
-const char* const kKindNames[PhaseTrace::kKinds] = {"dispatch",     "dispatch.send", "dispatch.recv",
-                                                    "combine",      "combine.send",  "combine.recv"};
-const char* const kPhaseNames[kTracePhases] = {"entry",   "routed",  "route-sig", "stored", "signalled", "routes-in",
-                                               "own-done", "peers-in", "rows",     "exit",   "counts",    "p11"};
+const char* const kKindNames[PhaseTrace::kKinds] = {"dispatch", "dispatch.send", "dispatch.recv",
+                                                    "combine",  "combine.send",  "combine.recv"};
+const char* const kPhaseNames[kTracePhases] = {"entry",    "routed",   "route-sig", "stored", "signalled", "routes-in",
+                                               "own-done", "peers-in", "rows",      "exit",   "counts",    "p11"};
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -36,8 +36,8 @@ void PhaseTrace::enable(uint32_t blocks) {
   const size_t bytes = static_cast<size_t>(kSlots) * blocks * kTracePhases * sizeof(uint64_t);
   cudaError_t e = cudaMalloc(&dev_, bytes);
   if (e == cudaSuccess) e = cudaMemset(dev_, 0, bytes);
-  EPCOMM_CHECK(e == cudaSuccess, kCuda, "EPCOMM_NVLINK_TRACE: cannot allocate " << bytes << " B of trace slots: "
-                                                                                  << cudaGetErrorString(e));
+  EPCOMM_CHECK(e == cudaSuccess, kCuda,
+               "EPCOMM_NVLINK_TRACE: cannot allocate " << bytes << " B of trace slots: " << cudaGetErrorString(e));
   slotKind_.assign(kSlots, -1);
 }
 
