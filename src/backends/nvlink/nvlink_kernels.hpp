@@ -26,11 +26,11 @@ struct DeviceState {
   uint64_t* trace;
 };
 constexpr int kTracePhases = 12;
-/// Phase stamps. Dispatch: kTrEntry every block; kTrRouted / kTrRouteSignalled block 0 (routing scan); kTrStored /
-/// kTrSignalled the payload blocks; kTrRoutesIn / kTrOwnDone the own-token blocks of the fused kernel;
-/// kTrPeersIn / kTrRows / kTrExit every receiving block. Combine: kTrRouted = weights pushed (block 0), kTrRoutesIn =
-/// every rank entered, kTrRows = row tables, kTrStored = partials stored, kTrSignalled = done signalled,
-/// kTrPeersIn = every partial arrived, kTrExit.
+/// Phase stamps. Dispatch: kTrEntry every block; kTrRouteCounts (R > 1: chunk histograms shared), kTrRouted,
+/// kTrRouteSignalled the routing blocks; kTrStored / kTrSignalled the payload blocks; kTrRoutesIn / kTrOwnDone the
+/// own-token blocks of the fused kernel; kTrPeersIn / kTrRows / kTrExit every receiving block. Combine: kTrRouted =
+/// weights pushed (routing blocks), kTrRoutesIn = every rank entered, kTrRows = row tables, kTrStored = partials
+/// stored, kTrSignalled = done signalled, kTrPeersIn = every partial arrived, kTrExit.
 enum TracePhase : int {
   kTrEntry = 0,
   kTrRouted = 1,
