@@ -23,16 +23,22 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def _resolve(name: str, timeout_s: float = 3.0) -> Optional[str]:
     """IPv4 address of `name`, or None when it does not resolve within `timeout_s` (a sandbox without a reachable DNS
-    server can keep gethostbyname blocked for minutes)."""
-    import concurrent.futures
+    server can keep gethostbyname blocked for minutes). A daemon thread: a lookup still blocked cannot hold up the
+    interpreter's exit."""
+    import threading
 
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    try:
-        return pool.submit(socket.gethostbyname, name).result(timeout=timeout_s)
-    except (OSError, concurrent.futures.TimeoutError):
-        return None
-    finally:
-        pool.shutdown(wait=False)
+    box: list = []
+
+    def lookup() -> None:
+        try:
+            box.append(socket.gethostbyname(name))
+        except OSError:
+            box.append(None)
+
+    t = threading.Thread(target=lookup, name="epcomm-resolve", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return box[0] if box else None
 
 
 def _rank0_address() -> str:
