@@ -1,0 +1,72 @@
+// The nvlink backend's buffer geometry, on the host (no GPU): how many blocks share the routing scan, and the
+// route table's index (every (sender, token, k) its own slot inside the region, pairs 16-byte aligned).
+#include "backends/nvlink/nvlink_layout.hpp"
+
+#include <gtest/gtest.h>
+
+#include <set>
+
+#include "epcomm/config.hpp"
+
+namespace epcomm {
+namespace {
+
+Config make(uint32_t tokens, uint32_t world, uint32_t k, uint32_t dp = 1) {
+  Config c = standardConfig("decode", world, 0, dp);
+  c.maxNumTokens = tokens;
+  c.expertsPerToken = k;
+  return c;
+}
+
+TEST(NvlinkLayout, RoutingBlocksFollowTheTokenCount) {
+  // Decode: one routing block; a 4096-token prefill on 132 blocks: 8 blocks of 512 tokens.
+  EXPECT_EQ(nvlink::makeGeometry(make(128, 2, 8), 66).routeBlocks, 1u);
+  const nvlink::Geometry p = nvlink::makeGeometry(make(4096, 2, 8), 132);
+  EXPECT_EQ(p.routeBlocks, 8u);
+  EXPECT_EQ(p.routeChunk, 512u);
+  // Capped at a quarter of the blocks (the fused kernel keeps payload and expansion blocks): 16384 tokens on 16
+  // blocks -> 4 routing blocks of 4096 tokens each.
+  const nvlink::Geometry c = nvlink::makeGeometry(make(16384, 2, 8), 16);
+  EXPECT_EQ(c.routeBlocks, 4u);
+  EXPECT_EQ(c.routeChunk, 4096u);
+  // One block: it routes everything itself.
+  EXPECT_EQ(nvlink::makeGeometry(make(1300, 2, 8), 1).routeBlocks, 1u);
+  // Every token slot belongs to some routing block's chunk.
+  for (uint32_t tokens : {1u, 511u, 512u, 513u, 1300u, 4096u, 5000u}) {
+    for (uint32_t blocks : {1u, 4u, 8u, 66u, 132u}) {
+      const nvlink::Geometry g = nvlink::makeGeometry(make(tokens, 2, 8), blocks);
+      EXPECT_GE(static_cast<uint64_t>(g.routeBlocks) * g.routeChunk, g.slotsPerSender) << tokens << " " << blocks;
+      EXPECT_EQ(g.routeChunk % nvlink::kThreads, 0u);
+      EXPECT_GE(g.routeBlocks, 1u);
+      EXPECT_LE(g.routeBlocks, blocks / 4 > 0 ? blocks / 4 : 1u);
+    }
+  }
+}
+
+TEST(NvlinkLayout, RouteIndexIsABijectionIntoTheRouteArea) {
+  for (uint32_t k : {1u, 2u, 5u, 8u}) {
+    const Config c = make(40, 4, k, 2);
+    const nvlink::Geometry g = nvlink::makeGeometry(c, 66);
+    const uint64_t slots = (g.offPayload - g.offRoute) / sizeof(nvlink::RouteEntry);
+    std::set<uint64_t> seen;
+    for (uint32_t s = 0; s < g.worldSize; ++s) {
+      for (uint32_t j = 0; j < g.slotsPerSender; ++j) {
+        for (uint32_t kk = 0; kk < k; ++kk) {
+          const uint64_t i = nvlink::routeIndex(k, g.slotsPerSender, s, j, kk);
+          EXPECT_LT(i, slots);
+          EXPECT_TRUE(seen.insert(i).second) << "k=" << k << " s=" << s << " j=" << j << " kk=" << kk;
+          if (kk % 2 == 0) EXPECT_EQ((g.offRoute + i * sizeof(nvlink::RouteEntry)) % 16, 0u);  // 16-byte pair store
+          if (kk % 2 == 1) EXPECT_EQ(i, nvlink::routeIndex(k, g.slotsPerSender, s, j, kk - 1) + 1);
+        }
+        // Consecutive tokens' pairs are adjacent (what makes a warp's stores coalesce).
+        if (j > 0) {
+          EXPECT_EQ(nvlink::routeIndex(k, g.slotsPerSender, s, j, 0),
+                    nvlink::routeIndex(k, g.slotsPerSender, s, j - 1, 0) + 2);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace epcomm
