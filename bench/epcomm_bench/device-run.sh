@@ -2,7 +2,8 @@
 # One device call for the nvlink performance pass: runs binaries built elsewhere (carried build dirs), the `gpu`
 # ctest label, then epcomm-bench points given as "label|env|args" lines on stdin. Logs and JSON lines go to $OUT.
 #
-#   BUILD=build-perf  [OLD=build-old]  bench/epcomm_bench/device-run.sh < points.txt
+#   BUILD=build-perf  [OLD=build-old] [ALT=build-alt]  bench/epcomm_bench/device-run.sh < points.txt
+#   (points labelled old* / alt* run OLD's / ALT's epcomm-bench: an A/B of two builds in one call)
 #
 # A build dir made on another machine holds absolute paths (ctest files, RUNPATH) under the directory it was
 # configured in; EPCOMM_SRC_ROOT names that directory (default /work/main) and is linked to this checkout if absent.
@@ -32,6 +33,7 @@ while IFS='|' read -r label envs args; do
   start=$(date +%s)
   b=$bin
   [[ "$label" == old* ]] && b=${OLD:-build-old}/bench/epcomm_bench/epcomm-bench
+  [[ "$label" == alt* ]] && b=${ALT:-build-alt}/bench/epcomm_bench/epcomm-bench  # A/B: a second build, same call
   echo "== $label" >>"$OUT/bench.log"
   # shellcheck disable=SC2086
   env $envs "$b" --backend nvlink --world 2 $args --json "$OUT/nvlink-bench.jsonl" >>"$OUT/bench.log" 2>&1 ||
