@@ -3,7 +3,8 @@
 # ctest label, then epcomm-bench points given as "label|env|args" lines on stdin. Logs and JSON lines go to $OUT.
 #
 #   BUILD=build-perf  [OLD=build-old] [ALT=build-alt]  bench/epcomm_bench/device-run.sh < points.txt
-#   (points labelled old* / alt* run OLD's / ALT's epcomm-bench: an A/B of two builds in one call)
+#   (points labelled old* / alt* run OLD's / ALT's epcomm-bench, label@dir that dir's: A/B of builds in one call;
+#   EXTRA_BUILDS="dir ..." also runs those builds' nvlink_test, filtered by EXTRA_FILTER, default NvlinkGpu.W2*)
 #
 # A build dir made on another machine holds absolute paths (ctest files, RUNPATH) under the directory it was
 # configured in; EPCOMM_SRC_ROOT names that directory (default /work/main) and is linked to this checkout if absent.
@@ -28,12 +29,20 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   echo "ctest rc=$? ($(($(date +%s) - start)) s): $(grep -E 'tests passed|tests failed' "$OUT/ctest.log" | tail -1)"
   grep -E "\*\*\*Failed|Failure|Expected|Which is" "$OUT/ctest.log" | head -20
 fi
+# EXTRA_BUILDS="build-alt build-alt2": their nvlink_test on a subset (EXTRA_FILTER) before the points, so an
+# experiment's numbers are only read next to its correctness.
+for dir in ${EXTRA_BUILDS:-}; do
+  start=$(date +%s)
+  "$dir/tests/gpu/nvlink_test" --gtest_filter="${EXTRA_FILTER:-NvlinkGpu.W2*}" >"$OUT/tests-${dir//\//_}.log" 2>&1
+  echo "$dir nvlink_test rc=$? ($(($(date +%s) - start)) s): $(grep -E '^\[  (PASSED|FAILED)' "$OUT/tests-${dir//\//_}.log" | tr '\n' ' ')"
+done
 while IFS='|' read -r label envs args; do
   [ -z "$label" ] && continue
   start=$(date +%s)
   b=$bin
   [[ "$label" == old* ]] && b=${OLD:-build-old}/bench/epcomm_bench/epcomm-bench
   [[ "$label" == alt* ]] && b=${ALT:-build-alt}/bench/epcomm_bench/epcomm-bench  # A/B: a second build, same call
+  [[ "$label" == *@* ]] && b=${label#*@}/bench/epcomm_bench/epcomm-bench          # label@build-dir: that build
   echo "== $label" >>"$OUT/bench.log"
   # shellcheck disable=SC2086
   env $envs "$b" --backend nvlink --world 2 $args --json "$OUT/nvlink-bench.jsonl" >>"$OUT/bench.log" 2>&1 ||
