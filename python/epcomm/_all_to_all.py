@@ -352,8 +352,9 @@ class AllToAll:
                                    "with your framework")
         return "numpy"
 
-    def _alloc(self, shape: Tuple[int, ...], dtype: Any, default: str, device: Any, zero: bool = True) -> Any:
-        framework = self._framework(dtype, device)
+    def _alloc(self, shape: Tuple[int, ...], dtype: Any, default: str, device: Any, zero: bool = True,
+               framework: Optional[str] = None) -> Any:
+        framework = framework or self._framework(dtype, device)
         if framework == "torch":
             import torch
 
@@ -397,15 +398,19 @@ class AllToAll:
         c = self._config
         if dtype is None:
             dtype = self._default_x_dtype()
-        num = self._alloc((c.num_local_experts,), "int32", "int32", device)
-        probe = self._alloc((1,), dtype, "u8", device)
+        # One framework for all three, chosen from what the caller asked for (a torch dtype on the host backend gives
+        # torch CPU tensors for the counts and scales too: a numpy count array would send torch.compile off the ops).
+        framework = self._framework(dtype, device)
+        num = self._alloc((c.num_local_experts,), "int32", "int32", device, framework=framework)
+        probe = self._alloc((1,), dtype, "u8", device, framework=framework)
         item = _itemsize_of(probe)
         if c.hidden_dim_bytes % item != 0:
             raise invalid_argument(f"dtype {dtype} does not divide hidden_dim_bytes = {c.hidden_dim_bytes}")
-        x = self._alloc(self._expert_shape(c.hidden_dim_bytes // item), dtype, "u8", device)
+        x = self._alloc(self._expert_shape(c.hidden_dim_bytes // item), dtype, "u8", device, framework=framework)
         scale = None
         if c.hidden_dim_scale_bytes > 0:
-            scale = self._alloc(self._expert_shape(c.hidden_dim_scale_bytes // 4), "fp32", "fp32", device)
+            scale = self._alloc(self._expert_shape(c.hidden_dim_scale_bytes // 4), "fp32", "fp32", device,
+                                framework=framework)
         return num, x, scale
 
     def alloc_expert_y(self, dtype: Any = "bf16", device: Any = None) -> Any:

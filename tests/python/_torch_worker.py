@@ -1,7 +1,9 @@
-"""One rank of the 2-GPU torch tests (spawned). Runs every scenario in one process pair and reports per scenario.
+"""One rank of the torch tests (spawned). Runs every scenario in one process pair and reports per scenario.
 
-Each rank generates every rank's inputs on the CPU from a seed, runs its own dispatch/combine on the nvlink
-backend with CUDA tensors, and compares with the C++ reference (epcomm._C.reference_*) run on CPU copies.
+Each rank generates every rank's inputs on the CPU from a seed, runs its own dispatch/combine with torch tensors and
+compares with the C++ reference (epcomm._C.reference_*) run on CPU copies. DEVICE = "cuda": the nvlink backend on
+CUDA tensors (test_torch_nvlink.py, 2 GPUs); "cpu": the host backend on CPU tensors (test_torch_host.py: the same
+scenarios but the CUDA graph one, so the torch integration is exercised without a GPU).
 """
 
 import os
@@ -24,6 +26,16 @@ SCENARIOS: List[Dict[str, Any]] = [
 ]
 
 E, K, H, T = 16, 4, 256, 32
+DEVICE = "cuda"  # set by run()
+
+
+def _device(torch, rank):
+    return torch.device("cuda", rank) if DEVICE == "cuda" else torch.device("cpu")
+
+
+def _sync(torch):
+    if DEVICE == "cuda":
+        _sync(torch)
 
 
 def _dtype(torch, name):
@@ -124,7 +136,8 @@ def _check_combine(out, want, init, bound, label):
 def _make(epcomm, torch, rank, W, sc, group):
     x = sc.get("x", "bf16")
     return epcomm.AllToAll(T, E, K, rank, W, sc.get("dp", 1), H, H * _item(x), H // 128 * 4 if sc.get("scale") else 0,
-                           expert_padding=sc.get("padding", 1), layout=sc.get("layout", "batched"), backend="nvlink",
+                           expert_padding=sc.get("padding", 1), layout=sc.get("layout", "batched"),
+                           backend="nvlink" if DEVICE == "cuda" else "host",
                            group=None if sc.get("torch_bootstrap") else group,
                            bootstrap=epcomm.TorchGroupBootstrap(group) if sc.get("torch_bootstrap") else None)
 
@@ -135,7 +148,7 @@ def _run_plain(epcomm, torch, rank, W, sc, group) -> Dict[str, int]:
     ref_cfg = epcomm.make_config(T, E, K, 0, W, D, H, a2a.config.hidden_dim_bytes, a2a.config.hidden_dim_scale_bytes,
                                  a2a.config.expert_padding, sc.get("layout", "batched"))
     stats = {"rows": 0, "combines": 0}
-    dev = torch.device("cuda", rank)
+    dev = _device(torch, rank)
     for rnd, (y_name, out_name) in enumerate(sc["pairs"]):
         groups = [Inputs(torch, sc, rnd, g) for g in range(W // D)]
         mine = groups[rank // D]
@@ -157,7 +170,7 @@ def _run_plain(epcomm, torch, rank, W, sc, group) -> Dict[str, int]:
             ys.append(torch.randn(*shape, generator=gy).to(_dtype(torch, y_name)))
         out_dtype = _dtype(torch, out_name)
         disp, comb = _reference(epcomm, ref_cfg, W, D, groups, sc, x_dtype, ys, out_dtype, sc.get("accumulate", False))
-        torch.cuda.synchronize()
+        _sync(torch)
         label = f"{sc['name']} round {rnd} rank {rank}"
         stats["rows"] += _check_dispatch(epcomm, a2a.config, num, ex, exs, disp[rank], label)
         out = mine.out_init.to(out_dtype).to(dev)
@@ -168,7 +181,7 @@ def _run_plain(epcomm, torch, rank, W, sc, group) -> Dict[str, int]:
             a2a.combine(*cargs, do_send=False, do_recv=True, accumulate=acc)
         else:
             a2a.combine(*cargs, accumulate=acc)
-        torch.cuda.synchronize()
+        _sync(torch)
         _check_combine(out, comb[rank]["out_tokens"], mine.out_init.to(out_dtype), mine.bound, label)
         stats["combines"] += 1
     a2a.destroy()
@@ -190,7 +203,7 @@ def _moe_layer(torch, a2a, w):
 def _run_compile(epcomm, torch, rank, W, sc, group) -> Dict[str, int]:
     sc = dict(sc, x="bf16")
     a2a = _make(epcomm, torch, rank, W, sc, group)
-    dev = torch.device("cuda", rank)
+    dev = _device(torch, rank)
     L = a2a.config.num_local_experts
     w = (torch.randn(L, H, H, generator=torch.Generator().manual_seed(5 + rank)) / H ** 0.5).bfloat16().to(dev)
     layer = _moe_layer(torch, a2a, w)
@@ -205,7 +218,7 @@ def _run_compile(epcomm, torch, rank, W, sc, group) -> Dict[str, int]:
             out = torch.zeros(gi.m, H, dtype=torch.bfloat16, device=dev)
             fn(*args, num, ex, out)
             outs.append(out)
-        torch.cuda.synchronize()
+        _sync(torch)
         torch.testing.assert_close(outs[1], outs[0], rtol=2e-2, atol=2e-2,
                                    msg=lambda m: f"compiled vs eager, round {rnd}: {m}")
         assert outs[0][: gi.bound].abs().sum() > 0, "eager output is all zeros"
@@ -217,7 +230,7 @@ def _run_compile(epcomm, torch, rank, W, sc, group) -> Dict[str, int]:
 def _run_graph(epcomm, torch, rank, W, sc, group) -> Dict[str, int]:
     sc = dict(sc, x="bf16", bound=True)
     a2a = _make(epcomm, torch, rank, W, sc, group)
-    dev = torch.device("cuda", rank)
+    dev = _device(torch, rank)
     ref_cfg = epcomm.make_config(T, E, K, 0, W, 1, H, 2 * H, 0)
     # Static buffers: the graph reads and writes these; replays change their contents, never their addresses.
     x = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
@@ -254,7 +267,7 @@ def _run_graph(epcomm, torch, rank, W, sc, group) -> Dict[str, int]:
         bound_m.fill_(mine.bound)
         out.zero_()
         graph.replay()
-        torch.cuda.synchronize()
+        _sync(torch)
         # Reference with the static shapes the graph saw: m = T rows, masked past m, bound_m as replayed.
         for g in groups:
             g.x = torch.cat([g.x, torch.zeros(T - g.m, H, dtype=torch.bfloat16)])
@@ -295,8 +308,16 @@ def _progress_log(rank: int):
     return log
 
 
-def run(rank: int, world_size: int, port: int, names: Optional[List[str]], results) -> None:
-    """Runs the scenarios (all when names is None); puts (name, rank, 'ok'|traceback, stats) per scenario."""
+def scenarios(device: str) -> List[Dict[str, Any]]:
+    """The scenarios that apply to `device` ("cuda" or "cpu": no CUDA graphs on the CPU)."""
+    return [sc for sc in SCENARIOS if device == "cuda" or sc.get("kind") != "graph"]
+
+
+def run(rank: int, world_size: int, port: int, names: Optional[List[str]], results, device: str = "cuda") -> None:
+    """Runs the scenarios of `device` (all when names is None); puts (name, rank, 'ok'|traceback, stats) per
+    scenario."""
+    global DEVICE
+    DEVICE = device
     log = _progress_log(rank)
     try:
         log("importing torch and epcomm")
@@ -305,7 +326,8 @@ def run(rank: int, world_size: int, port: int, names: Optional[List[str]], resul
 
         import epcomm
 
-        torch.cuda.set_device(rank)
+        if DEVICE == "cuda":
+            torch.cuda.set_device(rank)
         log("init_process_group(gloo)")
         import datetime
 
@@ -317,7 +339,7 @@ def run(rank: int, world_size: int, port: int, names: Optional[List[str]], resul
     except BaseException:  # noqa: BLE001
         results.put(("<setup>", rank, traceback.format_exc(), {}))
         return
-    for sc in SCENARIOS:
+    for sc in scenarios(DEVICE):
         if names is not None and sc["name"] not in names:
             continue
         kind = sc.get("kind", "plain")
@@ -334,3 +356,57 @@ def run(rank: int, world_size: int, port: int, names: Optional[List[str]], resul
     results.close()
     results.join_thread()
     os._exit(0)  # skip interpreter teardown of CUDA/NCCL state in the child
+
+
+def run_pair(device: str, world: int, port: int, deadline_s: float = 300) -> Dict[str, list]:
+    """Runs every scenario of `device` once in `world` spawned processes; maps name -> [(rank, status, stats)].
+    A rank that dies (crash, abort) ends the wait at once with its exit code under the name "<setup>"."""
+    import multiprocessing as mp
+    import queue
+    import time
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=run, args=(r, world, port, None, results, device), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    count = len(scenarios(device))
+    out: Dict[str, list] = {}
+    deadline = time.monotonic() + deadline_s  # all scenarios together; a hung rank fails the ones it did not report
+    for _ in range(count * world):
+        got = None
+        while got is None and time.monotonic() < deadline:
+            try:
+                got = results.get(timeout=2)
+            except queue.Empty:
+                reported = [sum(1 for v in out.values() for rank, _, _ in v if rank == r) for r in range(world)]
+                dead = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(procs)
+                        if not p.is_alive() and reported[r] < count]
+                if dead:
+                    out.setdefault("<setup>", []).append((-1, "; ".join(dead) + " before reporting every scenario "
+                                                          f"(reported so far: {sorted(out)})", {}))
+                    break
+        if got is None:
+            break
+        name, rank, status, stats = got
+        out.setdefault(name, []).append((rank, status, stats))
+        if name == "<setup>":
+            break
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return out
+
+
+def check_scenario(results: Dict[str, list], name: str, world: int) -> None:
+    """Fails (pytest) unless every rank reported scenario `name` as ok."""
+    import pytest
+
+    if "<setup>" in results:
+        pytest.fail("worker setup failed:\n" + "\n".join(s for _, s, _ in results["<setup>"]))
+    got = results.get(name)
+    assert got is not None and len(got) == world, f"scenario {name}: results {got} (a rank hung or died)"
+    errors = [f"rank {rank}:\n{status}" for rank, status, _ in got if status != "ok"]
+    assert not errors, "\n".join(errors)

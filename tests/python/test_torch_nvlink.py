@@ -31,55 +31,12 @@ WORLD = 2
 @pytest.fixture(scope="module")
 def scenario_results():
     """Runs every scenario once in one pair of processes; maps name -> list of per-rank (status, stats)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_torch_worker.run, args=(r, WORLD, port, None, results), daemon=True)
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    expected = len(_torch_worker.SCENARIOS) * WORLD
-    out = {}
-    import queue
-    import time
-
-    deadline = time.monotonic() + 300  # every scenario together; a hung rank fails the scenarios it did not report
-    for _ in range(expected):
-        # Poll in short steps so that a rank that died (crash, abort) ends the wait at once with its exit code.
-        got = None
-        while got is None and time.monotonic() < deadline:
-            try:
-                got = results.get(timeout=2)
-            except queue.Empty:
-                reported = [sum(1 for v in out.values() for rank, _, _ in v if rank == r) for r in range(WORLD)]
-                dead = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(procs)
-                        if not p.is_alive() and reported[r] < len(_torch_worker.SCENARIOS)]
-                if dead:
-                    out.setdefault("<setup>", []).append((-1, "; ".join(dead) + " before reporting every scenario "
-                                                          f"(reported so far: {sorted(out)})", {}))
-                    break
-        if got is None:
-            break
-        name, rank, status, stats = got
-        out.setdefault(name, []).append((rank, status, stats))
-        if name == "<setup>":
-            break
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    return out
+    return _torch_worker.run_pair("cuda", WORLD, free_port())
 
 
-@pytest.mark.parametrize("name", [s["name"] for s in _torch_worker.SCENARIOS])
+@pytest.mark.parametrize("name", [s["name"] for s in _torch_worker.scenarios("cuda")])
 def test_torch_nvlink(name, scenario_results):
-    if "<setup>" in scenario_results:
-        pytest.fail("worker setup failed:\n" + "\n".join(s for _, s, _ in scenario_results["<setup>"]))
-    got = scenario_results.get(name)
-    assert got is not None and len(got) == WORLD, f"scenario {name}: results {got} (a rank hung or died)"
-    errors = [f"rank {rank}:\n{status}" for rank, status, _ in got if status != "ok"]
-    assert not errors, "\n".join(errors)
+    _torch_worker.check_scenario(scenario_results, name, WORLD)
 
 
 def test_torch_docs_example():
