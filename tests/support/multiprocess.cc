@@ -1,5 +1,6 @@
 #include "support/multiprocess.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
@@ -90,6 +91,21 @@ std::string readAll(int fd) {
     break;
   }
   return text;
+}
+
+// libfabric's shm provider keeps a region per endpoint in /dev/shm named "<pid>:...". A rank that was killed (or
+// exited without closing its endpoints) leaves it behind, and a later process that happens to get the same pid fails
+// in fi_enable with EBUSY. The rank is reaped, so its pid's regions are stale: remove them.
+void removeShmRegionsOf(pid_t pid) {
+  DIR* dir = ::opendir("/dev/shm");
+  if (dir == nullptr) return;
+  const std::string prefix = std::to_string(pid) + ":";
+  while (dirent* e = ::readdir(dir)) {
+    if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) {
+      ::unlink((std::string("/dev/shm/") + e->d_name).c_str());
+    }
+  }
+  ::closedir(dir);
 }
 
 void recordStatus(RankOutcome* out, int status) {
@@ -193,6 +209,7 @@ RunResult runProcesses(int world, const std::function<void(int rank)>& body, con
       pid_t got = ::waitpid(pids[r], &status, WNOHANG);
       if (got == pids[r]) {
         recordStatus(&result.ranks[r], status);
+        removeShmRegionsOf(pids[r]);
         pids[r] = -1;
         --running;
       }
@@ -208,6 +225,7 @@ RunResult runProcesses(int world, const std::function<void(int rank)>& body, con
         while (::waitpid(pids[r], &status, 0) < 0 && errno == EINTR) {
         }
         recordStatus(&result.ranks[r], status);
+        removeShmRegionsOf(pids[r]);
         result.ranks[r].timedOut = true;
         pids[r] = -1;
       }
