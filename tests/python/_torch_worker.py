@@ -35,7 +35,7 @@ def _device(torch, rank):
 
 def _sync(torch):
     if DEVICE == "cuda":
-        _sync(torch)
+        torch.cuda.synchronize()
 
 
 def _dtype(torch, name):
