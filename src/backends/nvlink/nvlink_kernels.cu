@@ -857,7 +857,8 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(const CombineKernel
     if (blockIdx.x < R) {
       // The first R blocks (as many as route a dispatch: 1 for decode, 8 for a 4096-token prefill, whose weights are
       // 256 KB per rank) push this rank's router weights [n, K] to every rank, then signal "entered combine". Not
-      // every block: B increments of one flag word contend (measured: decode combine +10 us with all 66 blocks).
+      // every block: B increments of one remote flag word would contend (tried once, in a build that also carried a
+      // local-memory regression, so that cost was not separated; see docs/nvlink.md).
       const uint32_t n = numTokensSentBy(g.rank, effectiveBound(a.boundM, a.mSend), g.dpSize);
       const uint32_t K = g.topK;
       for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n * K; i += R * blockDim.x) {
