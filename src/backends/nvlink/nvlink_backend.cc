@@ -123,11 +123,11 @@ class NvlinkAllToAll final : public AllToAll {
 
     EPCOMM_CHECK_CUDA(cudaMalloc(&region_, geo_.totalBytes));
     EPCOMM_CHECK_CUDA(cudaMemset(region_, 0, geo_.totalBytes));
-    EPCOMM_CHECK_CUDA(cudaMalloc(&seq_, 4 * geo_.blocks * sizeof(uint32_t) + 256));
-    EPCOMM_CHECK_CUDA(cudaMemset(seq_, 0, 4 * geo_.blocks * sizeof(uint32_t) + 256));
+    EPCOMM_CHECK_CUDA(cudaMalloc(&seq_, nvlink::roundCounterBytes(geo_)));
+    EPCOMM_CHECK_CUDA(cudaMemset(seq_, 0, nvlink::roundCounterBytes(geo_)));
     claimed_ = reinterpret_cast<int32_t*>(reinterpret_cast<char*>(seq_) + 4 * geo_.blocks * sizeof(uint32_t));
-    EPCOMM_CHECK_CUDA(cudaMalloc(&route_, routeBytes()));
-    EPCOMM_CHECK_CUDA(cudaMemset(route_, 0, routeBytes()));
+    EPCOMM_CHECK_CUDA(cudaMalloc(&route_, nvlink::routeScratchBytes(geo_)));
+    EPCOMM_CHECK_CUDA(cudaMemset(route_, 0, nvlink::routeScratchBytes(geo_)));
     EPCOMM_CHECK_CUDA(
         cudaHostAlloc(reinterpret_cast<void**>(&hostError_), sizeof(nvlink::ErrorRecord), cudaHostAllocMapped));
     std::memset(hostError_, 0, sizeof(nvlink::ErrorRecord));
@@ -295,19 +295,17 @@ class NvlinkAllToAll final : public AllToAll {
   const Config& config() const override { return config_; }
   const char* backendName() const override { return "nvlink"; }
   uint64_t bufferBytes() const override {
-    return geo_.totalBytes + 4 * geo_.blocks * sizeof(uint32_t) + 256 + routeBytes() + sizeof(nvlink::ErrorRecord);
+    return geo_.totalBytes + nvlink::roundCounterBytes(geo_) + nvlink::routeScratchBytes(geo_) +
+           sizeof(nvlink::ErrorRecord);
   }
 
  private:
-  // Routing blocks' arrival counter (first 256 bytes) and per-chunk histograms [R][E].
-  uint64_t routeBytes() const { return 256 + static_cast<uint64_t>(geo_.routeBlocks) * geo_.numExperts * 4; }
-
   void fillCommon(Geometry& g, char** peers, nvlink::DeviceState& st) const {
     g = geo_;
     for (uint32_t r = 0; r < nvlink::kMaxRanks; ++r) peers[r] = peers_[r];
     st.seq = seq_;
     st.claimed = claimed_;
-    st.routeArrived = static_cast<uint32_t*>(route_);
+    st.routeArrived = static_cast<uint64_t*>(route_);
     st.routeScratch = reinterpret_cast<int32_t*>(static_cast<char*>(route_) + 256);
     st.hostError = hostErrorDev_;
     st.timeoutNs = static_cast<uint64_t>(env().timeoutMs) * 1000000ull;
@@ -402,8 +400,8 @@ std::vector<PlannedBuffer> planNvlink(const Config& config) {
   add("combine weights", "device (peer-mapped)", g.offPartials - g.offWeights, "f32 [W][Ts][K]");
   add("combine partials", "device (peer-mapped)", g.totalBytes - g.offPartials,
       "[W][T=" + std::to_string(config.maxNumTokens) + "][H*4 B]");
-  add("round counters", "device", 4ull * g.blocks * 4 + 256, "u32 [4][blocks=" + std::to_string(g.blocks) + "]");
-  add("routing histograms", "device", 256 + static_cast<uint64_t>(g.routeBlocks) * config.numExperts * 4,
+  add("round counters", "device", nvlink::roundCounterBytes(g), "u32 [4][blocks=" + std::to_string(g.blocks) + "]");
+  add("routing histograms", "device", nvlink::routeScratchBytes(g),
       "i32 [routing blocks=" + std::to_string(g.routeBlocks) + "][E] + arrival counter");
   add("error record", "host pinned (mapped)", sizeof(nvlink::ErrorRecord), "written by kernels, read by the host");
   return plan;

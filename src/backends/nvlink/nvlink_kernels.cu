@@ -20,7 +20,6 @@ namespace {
 using device::fenceAcqRelSys;
 using device::globalTimerNs;
 using device::laneMaskLt;
-using device::ldAcquireGpu;
 using device::ldAcquireSys;
 using device::ldGlobalNc16;
 using device::redAddRelaxedSys;
@@ -87,22 +86,6 @@ __device__ bool waitFlag(const uint64_t* flag, uint64_t expected, const DeviceSt
       if (aborted(st)) return false;
       if (globalTimerNs() - start > st.timeoutNs) {
         recordError(st, phase, rank, peer, static_cast<int64_t>(v), static_cast<int64_t>(expected));
-        return false;
-      }
-    }
-  }
-}
-
-// Spins until the (same-GPU) counter reaches `expected`; on timeout records phase kPhaseRouteSync and returns false.
-__device__ bool waitCounter(uint32_t* counter, uint32_t expected, const DeviceState& st, int32_t rank) {
-  const uint64_t start = globalTimerNs();
-  for (uint32_t i = 1;; ++i) {
-    const uint32_t v = static_cast<uint32_t>(ldAcquireGpu(reinterpret_cast<const int32_t*>(counter)));
-    if (static_cast<int32_t>(v - expected) >= 0) return true;
-    if ((i & 255) == 0) {
-      if (aborted(st)) return false;
-      if (globalTimerNs() - start > st.timeoutNs) {
-        recordError(st, kPhaseRouteSync, rank, rank, v, expected);
         return false;
       }
     }
@@ -290,23 +273,21 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
     __syncthreads();
   };
   // After counting its chunk: publish the histogram, wait for the other routing blocks, start the positions at the
-  // earlier chunks' total; the last chunk writes the totals (counts) into the receivers.
+  // earlier chunks' total.
   auto publishChunk = [&]() -> bool {
     for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) a.st.routeScratch[chunk * E + e] = running[e];
     __syncthreads();
     bool ok = true;
     if (threadIdx.x == 0) {
       __threadfence();
-      atomicAdd(a.st.routeArrived, 1u);
-      ok = waitCounter(a.st.routeArrived, round * R, a.st, static_cast<int32_t>(g.rank));
+      atomicAdd(reinterpret_cast<unsigned long long*>(a.st.routeArrived), 1ull);
+      ok = waitFlag(a.st.routeArrived, static_cast<uint64_t>(round) * R, a.st, kPhaseRouteSync,
+                    static_cast<int32_t>(g.rank), static_cast<int32_t>(g.rank));
     }
     if (__syncthreads_and(ok ? 1 : 0) == 0) return false;
     for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
       int32_t before = 0;
       for (uint32_t c = 0; c < chunk; ++c) before += __ldcg(a.st.routeScratch + c * E + e);
-      if (chunk == R - 1) {
-        reinterpret_cast<int32_t*>(a.peers[e / L] + g.offCounts)[g.rank * L + e % L] = before + running[e];
-      }
       running[e] = before;
     }
     __syncthreads();
@@ -319,7 +300,8 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
     if (phase == 1 && R > 1 && !publishChunk()) return false;
     for (uint32_t jb = lo; jb < hi; jb += kThreads) pass(jb, phase == 1);
   }
-  if (R == 1) {
+  // After the last chunk's positions its running counts are this rank's totals per expert: the receivers' counts.
+  if (chunk == R - 1) {
     for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
       reinterpret_cast<int32_t*>(a.peers[e / L] + g.offCounts)[g.rank * L + e % L] = running[e];
     }

@@ -18,9 +18,10 @@ struct DeviceState {
   int32_t* claimed;        ///< device word: first kernel to record an error claims it; kernels then bail out
   ErrorRecord* hostError;  ///< device pointer of the host-mapped error record
   uint64_t timeoutNs;      ///< bound of every device wait
-  /// Routing blocks of one send: per-chunk expert histograms [R][E] and a monotone arrival counter (R per round).
+  /// Routing blocks of one send: per-chunk expert histograms [R][E] and a monotone arrival counter (R per round,
+  /// polled like a flag).
   int32_t* routeScratch;
-  uint32_t* routeArrived;
+  uint64_t* routeArrived;
   /// Diagnostics (EPCOMM_NVLINK_TRACE): [blocks][kTracePhases] %globaltimer stamps of this launch, or null. Thread 0
   /// of each block stamps the phases it passes (see TracePhase); nvlink_trace.cc summarises them.
   uint64_t* trace;

@@ -107,6 +107,14 @@ inline Geometry makeGeometry(const Config& c, uint32_t blocks) {
   return g;
 }
 
+/// Device memory beside the peer-mapped region (not shared): the per-block round counters u32 [4][B] followed by
+/// 256 bytes whose first word is the error claim, and the routing blocks' arrival counter (256 bytes) followed by
+/// their histograms i32 [R][E].
+inline uint64_t roundCounterBytes(const Geometry& g) { return 4ull * g.blocks * sizeof(uint32_t) + 256; }
+inline uint64_t routeScratchBytes(const Geometry& g) {
+  return 256 + static_cast<uint64_t>(g.routeBlocks) * g.numExperts * 4;
+}
+
 /// Dynamic shared memory of every nvlink kernel: the sender's routing scan (bits and bases per warp per expert,
 /// running counts) or the receiver's row bases, whichever is larger.
 inline uint32_t sharedBytes(const Geometry& g) {
