@@ -2,8 +2,8 @@
 # One device call for the nvlink performance pass: runs binaries built elsewhere (carried build dirs), the `gpu`
 # ctest label, then epcomm-bench points given as "label|env|args" lines on stdin. Logs and JSON lines go to $OUT.
 #
-#   BUILD=build-perf  [OLD=build-old] [ALT=build-alt]  bench/epcomm_bench/device-run.sh < points.txt
-#   (points labelled old* / alt* run OLD's / ALT's epcomm-bench, label@dir that dir's: A/B of builds in one call;
+#   BUILD=build-perf  [OLD=build-old]  bench/epcomm_bench/device-run.sh < points.txt
+#   (points labelled old* run OLD's epcomm-bench, label@dir that dir's: A/B of builds in one call;
 #   EXTRA_BUILDS="dir ..." also runs those builds' nvlink_test, filtered by EXTRA_FILTER, default NvlinkGpu.W2*)
 #
 # A build dir made on another machine holds absolute paths (ctest files, RUNPATH) under the directory it was
@@ -41,7 +41,6 @@ while IFS='|' read -r label envs args; do
   start=$(date +%s)
   b=$bin
   [[ "$label" == old* ]] && b=${OLD:-build-old}/bench/epcomm_bench/epcomm-bench
-  [[ "$label" == alt* ]] && b=${ALT:-build-alt}/bench/epcomm_bench/epcomm-bench  # A/B: a second build, same call
   [[ "$label" == *@* ]] && b=${label#*@}/bench/epcomm_bench/epcomm-bench          # label@build-dir: that build
   echo "== $label" >>"$OUT/bench.log"
   # shellcheck disable=SC2086
