@@ -32,9 +32,14 @@ def gather(procs, results, timeout_s: float) -> List[Optional[tuple]]:
             out.append(results.get(timeout=max(0.1, deadline - time.monotonic())))
         except queue.Empty:
             out.append(("error", -1, f"no result within {timeout_s} s (a rank hung or crashed)"))
+    reap(procs, 10)
+    return out
+
+
+def reap(procs, grace_s: float) -> None:
+    """Joins every process, killing the ones still running after `grace_s` seconds."""
     for p in procs:
-        p.join(timeout=10)
+        p.join(timeout=grace_s)
         if p.is_alive():
             p.kill()
             p.join()
-    return out

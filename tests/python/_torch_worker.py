@@ -392,11 +392,9 @@ def run_pair(device: str, world: int, port: int, deadline_s: float = 300) -> Dic
         out.setdefault(name, []).append((rank, status, stats))
         if name == "<setup>":
             break
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-            p.join()
+    import _mp_util
+
+    _mp_util.reap(procs, 30)
     return out
 
 
