@@ -29,8 +29,6 @@ using device::st16;
 constexpr int kUnroll = 8;
 // Vectors per lane per combine work unit (see combineSendBody).
 constexpr int kChunkU = 4;
-// Expert indices per token that the routing scan keeps in registers (loaded together; more are re-read).
-constexpr int kRegK = 8;
 
 // Flag arrays (index `which` of flagPtr), see nvlink_layout.hpp.
 constexpr int kFlagDispatch = 0;
@@ -195,18 +193,16 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
   for (uint32_t i = threadIdx.x; i < kWarps * E; i += blockDim.x) bits[i] = 0;
   for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) running[e] = 0;
   __syncthreads();
-  // One pass = kThreads tokens, one per thread. The first kRegK indices of the token are loaded together (one memory
-  // latency instead of K) and kept in registers for the emit step. A repeated expert finds its own lane bit already
-  // set: atomicOr's old value marks it (dupMask, k < 64), so no k^2 re-reading of the token's indices.
+  // One pass = kThreads tokens, one per thread. A repeated expert finds its own lane bit already set: atomicOr's old
+  // value marks it (dupMask, k < 64), so no k^2 re-reading of the token's indices.
   auto pass = [&](uint32_t jb, bool emitEntries) {
     const uint32_t j = jb + threadIdx.x;
     const bool active = j < hi;
     const uint32_t t = j * D + g.rank % D;
-    int64_t ev[kRegK];
-#pragma unroll
-    for (int k = 0; k < kRegK; ++k) {
-      ev[k] = active && static_cast<uint32_t>(k) < K ? loadIndex(a.indices, a.indexKind, a.indexStrides, t, k) : -1;
-    }
+    // Compact code on purpose: only the routing blocks run this, so every instruction is fetched cold (the trace
+    // showed ~5 us for a one-token pass). Loops are not unrolled; the token's indices are re-read (after the first
+    // load they hit L1) instead of being kept in an unrolled register array.
+    auto index = [&](uint32_t k) { return loadIndex(a.indices, a.indexKind, a.indexStrides, t, k); };
     uint64_t dupMask = 0;
     auto mark = [&](uint32_t k, int64_t e) {
       if (e < -1 || e >= static_cast<int64_t>(E)) {
@@ -219,15 +215,13 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
       if (old & (1u << lane)) dupMask |= 1ull << k;
     };
     if (active) {
-#pragma unroll
-      for (int k = 0; k < kRegK; ++k) {
-        if (static_cast<uint32_t>(k) < K) mark(k, ev[k]);
-      }
-      for (uint32_t k = kRegK; k < K; ++k) mark(k, loadIndex(a.indices, a.indexKind, a.indexStrides, t, k));
+#pragma unroll 1
+      for (uint32_t k = 0; k < K; ++k) mark(k, index(k));
     }
     __syncthreads();
     for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
       int32_t r = running[e];
+#pragma unroll 1
       for (uint32_t w = 0; w < kWarps; ++w) {
         base[w * E + e] = r;
         r += __popc(bits[w * E + e]);
@@ -259,14 +253,8 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
           st16(a.peers[d] + off, v);
         }
       };
-#pragma unroll
-      for (int k0 = 0; k0 < kRegK; k0 += 2) {
-        if (static_cast<uint32_t>(k0) < K) emit(k0, ev[k0], ev[k0 + 1]);
-      }
-      for (uint32_t k0 = kRegK; k0 < K; k0 += 2) {
-        emit(k0, loadIndex(a.indices, a.indexKind, a.indexStrides, t, k0),
-             k0 + 1 < K ? loadIndex(a.indices, a.indexKind, a.indexStrides, t, k0 + 1) : -1);
-      }
+#pragma unroll 1
+      for (uint32_t k0 = 0; k0 < K; k0 += 2) emit(k0, index(k0), k0 + 1 < K ? index(k0 + 1) : -1);
     }
     __syncthreads();
     for (uint32_t i = threadIdx.x; i < kWarps * E; i += blockDim.x) bits[i] = 0;
