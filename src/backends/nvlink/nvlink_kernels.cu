@@ -644,12 +644,17 @@ __device__ __forceinline__ void storeF(T* p, const float* in) {
 // every block then waits for all ranks to have entered (their weights are here and they finished reading the
 // partials of the previous round), sums its experts' weighted outputs per token in fp32 and sends one partial per
 // (token, DP-group rank).
+// Which senders' tokens one call of combineSendBody handles.
+enum CombineSenders : int {
+  kAllSenders = 0,
+  kOwnSender = 1,     // this rank's own tokens: its weights are in `a.weights`, its partial stays here (D == 1)
+  kOtherSenders = 2,  // every other sender's tokens (after the entry barrier)
+};
+
 template <typename PT, int N>
-__device__ void combineSendBody(const CombineKernelArgs& a, int32_t* smem) {
+__device__ void combineSendBody(const CombineKernelArgs& a, const RowTables& rt, int senders) {
   const Geometry& g = a.g;
   char* local = a.peers[g.rank];
-  const RowTables rt = computeRows(local, g, smem, a.packed != 0, a.padding);
-  tracePoint(a.st, kTrRows);
   const uint32_t L = g.numLocalExperts, K = g.topK, W = g.worldSize, Ts = g.slotsPerSender, D = g.dpSize;
   const int32_t* numTokens = reinterpret_cast<const int32_t*>(local + g.offNumTokens);
   const RouteEntry* route = reinterpret_cast<const RouteEntry*>(local + g.offRoute);
@@ -662,9 +667,12 @@ __device__ void combineSendBody(const CombineKernelArgs& a, int32_t* smem) {
   // loads in flight per expert row and the rows of one token spread over several warps (a warp walking a whole
   // 7168-element row with one load in flight measured ~100 us for decode).
   const uint32_t chunks = static_cast<uint32_t>(ceilDiv(units, 32 * kChunkU));
-  for (uint32_t wu = warpId; wu < W * Ts * chunks; wu += numWarps) {
-    const uint32_t item = wu / chunks, chunk = wu % chunks;
+  const uint32_t firstItem = senders == kOwnSender ? g.rank * Ts : 0;
+  const uint32_t items = senders == kOwnSender ? Ts : W * Ts;
+  for (uint32_t wu = warpId; wu < items * chunks; wu += numWarps) {
+    const uint32_t item = firstItem + wu / chunks, chunk = wu % chunks;
     const uint32_t s = item / Ts, j = item % Ts;
+    if (senders == kOtherSenders && s == g.rank) continue;
     if (j >= static_cast<uint32_t>(numTokens[s])) continue;
     const uint32_t t = j * D + s % D;
     const uint32_t group0 = (s / D) * D;
@@ -685,7 +693,10 @@ __device__ void combineSendBody(const CombineKernelArgs& a, int32_t* smem) {
           const int32_t le = e.le & ~kDupBit;
           const int64_t idx = rt.rowBase[le] + rt.senderBase[s * L + le] + e.pos;
           yOff[h] = le * a.yExpertStride + idx * a.yRowStride;
-          w[h] = weights[(static_cast<uint64_t>(s) * Ts + j) * K + k];
+          // Own tokens: the caller's weights (the pushed copy may not be written yet in the kOwnSender pass).
+          w[h] = s == g.rank ? a.weights[static_cast<int64_t>(t) * a.weightStrides[0] +
+                                         static_cast<int64_t>(k) * a.weightStrides[1]]
+                             : weights[(static_cast<uint64_t>(s) * Ts + j) * K + k];
         }
       }
       valid[h] = __ballot_sync(0xffffffffu, yOff[h] >= 0);
@@ -842,15 +853,28 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(const CombineKernel
       signalAllRanks(a.peers, g, kFlagCombineEnter);
       tracePoint(a.st, kTrRouted);
     }
+    const RowTables rt = computeRows(a.peers[g.rank], g, smem, a.packed != 0, a.padding);
+    tracePoint(a.st, kTrRows);
+    // With D == 1 this rank's own tokens have their partials here, on this rank, read only by its own combine-recv
+    // (earlier on this stream): they need neither the peers' weights nor their "entered" signal, so they are summed
+    // before the entry barrier and hide it.
+    const bool ownFirst = g.dpSize == 1 && g.worldSize > 1;
+    if (ownFirst) {
+      if (wide) {
+        combineSendBody<PT, 8>(a, rt, kOwnSender);
+      } else {
+        combineSendBody<PT, 4>(a, rt, kOwnSender);
+      }
+    }
     if (!waitAllRanks(a.peers[g.rank], g, kFlagCombineEnter, static_cast<uint64_t>(seq) * R, a.st,
                       kPhaseCombineEnter)) {
       return;
     }
     tracePoint(a.st, kTrRoutesIn);
     if (wide) {
-      combineSendBody<PT, 8>(a, smem);
+      combineSendBody<PT, 8>(a, rt, ownFirst ? kOtherSenders : kAllSenders);
     } else {
-      combineSendBody<PT, 4>(a, smem);
+      combineSendBody<PT, 4>(a, rt, ownFirst ? kOtherSenders : kAllSenders);
     }
     tracePoint(a.st, kTrStored);
     signalAllRanks(a.peers, g, kFlagCombineDone);
