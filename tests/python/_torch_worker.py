@@ -124,11 +124,14 @@ def _check_dispatch(epcomm, cfg, num, ex, exs, want, label):
     return sum(len(r) for r in _valid_rows(epcomm, cfg, num))
 
 
-def _check_combine(out, want, init, bound, label):
+def _check_combine(out, want, init, bound, label, y_dtype):
     import torch
 
     out = out.cpu().float()
-    tol = 1e-5 if want.dtype == torch.float32 else 2e-2
+    # The reference sums in fp32 and rounds once. A backend may round earlier, within the contract: nvlink sends each
+    # expert rank's fp32 partial sum in expert_y's dtype (docs/nvlink.md), so fp32 outputs from bf16/fp16 expert
+    # outputs carry that dtype's rounding; only fp32 in and out is held to fp32 precision.
+    tol = 1e-5 if want.dtype == torch.float32 and y_dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out[:bound], want[:bound].float(), rtol=tol, atol=tol, msg=lambda m: f"{label}: {m}")
     assert torch.equal(out[bound:], init[bound:].float()), f"{label}: rows >= bound_m were written"
 
@@ -182,7 +185,8 @@ def _run_plain(epcomm, torch, rank, W, sc, group) -> Dict[str, int]:
         else:
             a2a.combine(*cargs, accumulate=acc)
         _sync(torch)
-        _check_combine(out, comb[rank]["out_tokens"], mine.out_init.to(out_dtype), mine.bound, label)
+        _check_combine(out, comb[rank]["out_tokens"], mine.out_init.to(out_dtype), mine.bound, label,
+                       ys[rank].dtype)
         stats["combines"] += 1
     a2a.destroy()
     return stats
@@ -281,7 +285,7 @@ def _run_graph(epcomm, torch, rank, W, sc, group) -> Dict[str, int]:
         ys = [(_flat(d["out_expert_x"].float() * 2).bfloat16()).reshape(d["out_expert_x"].shape) for d in disp]
         _, comb = _reference(epcomm, ref_cfg, W, 1, groups, dict(bound=True), torch.bfloat16, ys, torch.bfloat16,
                              False)
-        _check_combine(out, comb[rank]["out_tokens"], torch.zeros(T, H), mine.bound, label)
+        _check_combine(out, comb[rank]["out_tokens"], torch.zeros(T, H), mine.bound, label, torch.bfloat16)
     a2a.destroy()
     return {"replays": 4}
 

@@ -193,6 +193,7 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
   for (uint32_t i = threadIdx.x; i < kWarps * E; i += blockDim.x) bits[i] = 0;
   for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) running[e] = 0;
   __syncthreads();
+  tracePoint(a.st, kTrRouteSetup);
   // One pass = kThreads tokens, one per thread. A repeated expert finds its own lane bit already set: atomicOr's old
   // value marks it (dupMask, k < 64), so no k^2 re-reading of the token's indices.
   auto pass = [&](uint32_t jb, bool emitEntries) {
@@ -219,6 +220,7 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
       for (uint32_t k = 0; k < K; ++k) mark(k, index(k));
     }
     __syncthreads();
+    tracePoint(a.st, kTrRouteMarked);
     for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
       int32_t r = running[e];
 #pragma unroll 1
@@ -229,6 +231,7 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
       running[e] = r;
     }
     __syncthreads();
+    tracePoint(a.st, kTrRouteScanned);
     if (emitEntries && active) {
       // Entries k0 and k0 + 1 travel as one 16-byte store per receiver (odd K: the last pair's second entry is
       // padding); the pairs of consecutive tokens are adjacent (routeIndex), so the warp's stores are coalesced.
@@ -257,6 +260,7 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
       for (uint32_t k0 = 0; k0 < K; k0 += 2) emit(k0, index(k0), k0 + 1 < K ? index(k0 + 1) : -1);
     }
     __syncthreads();
+    tracePoint(a.st, kTrRouteEmitted);
     for (uint32_t i = threadIdx.x; i < kWarps * E; i += blockDim.x) bits[i] = 0;
     __syncthreads();
   };

@@ -26,12 +26,14 @@ struct DeviceState {
   /// of each block stamps the phases it passes (see TracePhase); nvlink_trace.cc summarises them.
   uint64_t* trace;
 };
-constexpr int kTracePhases = 12;
+constexpr int kTracePhases = 16;
 /// Phase stamps. Dispatch: kTrEntry every block; kTrRouteCounts (R > 1: chunk histograms shared), kTrRouted,
 /// kTrRouteSignalled the routing blocks; kTrStored / kTrSignalled the payload blocks; kTrRoutesIn / kTrOwnDone the
 /// own-token blocks of the fused kernel; kTrPeersIn / kTrRows / kTrExit every receiving block. Combine: kTrRouted =
 /// weights pushed (routing blocks), kTrRoutesIn = every rank entered, kTrRows = row tables, kTrStored = partials
-/// stored, kTrSignalled = done signalled, kTrPeersIn = every partial arrived, kTrExit.
+/// stored, kTrSignalled = done signalled, kTrPeersIn = every partial arrived, kTrExit. Inside the routing pass (last
+/// pass of the block): kTrRouteSetup = shared tables cleared, kTrRouteMarked = indices loaded and marked,
+/// kTrRouteScanned = per-warp bases summed, kTrRouteEmitted = entries stored into every receiver.
 enum TracePhase : int {
   kTrEntry = 0,
   kTrRouted = 1,
@@ -44,6 +46,10 @@ enum TracePhase : int {
   kTrRows = 8,
   kTrExit = 9,
   kTrRouteCounts = 10,
+  kTrRouteSetup = 11,
+  kTrRouteMarked = 12,
+  kTrRouteScanned = 13,
+  kTrRouteEmitted = 14,
 };
 constexpr int kSeqDispatchSend = 0;
 constexpr int kSeqDispatchRecv = 1;

@@ -16,8 +16,9 @@ namespace {
 
 const char* const kKindNames[PhaseTrace::kKinds] = {"dispatch", "dispatch.send", "dispatch.recv",
                                                     "combine",  "combine.send",  "combine.recv"};
-const char* const kPhaseNames[kTracePhases] = {"entry",    "routed",   "route-sig", "stored", "signalled", "routes-in",
-                                               "own-done", "peers-in", "rows",      "exit",   "counts",    "p11"};
+const char* const kPhaseNames[kTracePhases] = {"entry",    "routed",    "route-sig", "stored", "signalled", "routes-in",
+                                               "own-done", "peers-in",  "rows",      "exit",   "counts",    "r-setup",
+                                               "r-marked", "r-scanned", "r-emitted", "p15"};
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
