@@ -40,9 +40,15 @@ def test_torch_nvlink(name, scenario_results):
 
 
 def test_torch_docs_example():
-    """The PyTorch example of docs/python.md, verbatim, on 2 GPUs."""
-    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "python.md").read_text()
-    example = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "import torch" in b)
+    """The PyTorch example of the README (docs/python.md carries the same one), verbatim, on 2 GPUs."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+
+    def torch_example(path):
+        text = (root / path).read_text()
+        return next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "import torch" in b)
+
+    example = torch_example("README.md")
+    assert torch_example("docs/python.md") == example, "README.md and docs/python.md show different examples"
     assert len(example.strip().splitlines()) <= 15
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     ctx = mp.get_context("spawn")
