@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from . import _C, _torch_ops
 from ._bootstrap import make_bootstrap
@@ -12,6 +12,8 @@ from ._tensors import TypedArray, check_combine, check_dispatch, invalid_argumen
 # The module object itself (None without torch): dispatch()/combine() test isinstance against it, which
 # torch.compile traces without a graph break.
 _torch = _torch_ops.torch
+# The plain tensor type (subclasses are described and checked every call); a placeholder type without torch.
+_TORCH_TENSOR = _torch.Tensor if _torch is not None else type("_NoTorch", (), {})
 
 __all__ = ["AllToAll", "make_config", "Plan", "plan"]
 
@@ -205,6 +207,7 @@ class AllToAll:
         torch = sys.modules.get("torch")
         if self.device == "cuda" and torch is not None and torch.cuda.is_available():
             self.device = f"cuda:{torch.cuda.current_device()}"
+        self._checked: Dict[Tuple[Any, ...], bool] = {}  # argument signatures that passed the Python checks
         self._handle = _torch_ops.register(self)
 
     @classmethod
@@ -257,7 +260,7 @@ class AllToAll:
         (cudaStream_t as int) is for non-torch callers; torch tensors use the current stream.
         """
         if (_torch_ops.HAVE_TORCH_OPS and stream is None and isinstance(out_expert_x, _torch.Tensor)
-                and isinstance(out_expert_num_tokens, _torch.Tensor)):
+                and isinstance(out_expert_num_tokens, _torch.Tensor) and _torch_ops.needs_op(out_expert_x)):
             if out_expert_x_scale is None:
                 if dp_x_scale is not None:  # an error (no scales configured): the eager path reports it
                     return self._dispatch_eager(out_expert_num_tokens, out_expert_x, None, dp_x, dp_x_scale, indices,
@@ -281,7 +284,8 @@ class AllToAll:
         Shapes: out_tokens [m, H] bf16 / fp16 / fp32 (written); indices [m, K]; weights [m, K] fp32;
         expert_y in out_expert_x's layout with H columns, bf16 / fp16 / fp32.
         """
-        if _torch_ops.HAVE_TORCH_OPS and stream is None and isinstance(out_tokens, _torch.Tensor):
+        if (_torch_ops.HAVE_TORCH_OPS and stream is None and isinstance(out_tokens, _torch.Tensor)
+                and _torch_ops.needs_op(out_tokens)):
             _torch_ops.COMBINE(self._handle, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv,
                                accumulate)
             return
@@ -290,8 +294,12 @@ class AllToAll:
     def _dispatch_eager(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
                         bound_m, do_send, do_recv, stream) -> None:
         impl = self._live()
-        check_dispatch(self._config, self.device, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
-                       dp_x_scale, indices, bound_m, do_send, do_recv)
+        args = (out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices, bound_m, do_send,
+                do_recv)
+        key = self._signature("dispatch", args)
+        if key is None or key not in self._checked:
+            check_dispatch(self._config, self.device, *args)
+            self._remember(key)
         if stream is None:
             stream = _current_stream(dp_x, out_expert_x)
         impl.dispatch(_prepare(out_expert_num_tokens), _prepare(out_expert_x), _prepare(out_expert_x_scale),
@@ -301,11 +309,38 @@ class AllToAll:
     def _combine_eager(self, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, accumulate,
                        stream) -> None:
         impl = self._live()
-        check_combine(self._config, self.device, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv)
+        args = (out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv)
+        key = self._signature("combine", args)
+        if key is None or key not in self._checked:
+            check_combine(self._config, self.device, *args)
+            self._remember(key)
         if stream is None:
             stream = _current_stream(out_tokens, expert_y)
         impl.combine(_prepare(out_tokens), _prepare(indices), _prepare(weights), _prepare(expert_y),
                      _prepare(bound_m), do_send, do_recv, accumulate, stream)
+
+    @staticmethod
+    def _signature(op: str, args: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
+        """What the Python checks of a call depend on, when every tensor is a plain torch tensor: shape, strides, dtype
+        and device of each (None stays None), and the flags. A signature that passed once skips the checks (~25 us
+        of CPU per call); values (bound_m, indices in range) are checked by the library on every call. None (always
+        check) for any other argument type."""
+        key: List[Any] = [op]
+        for a in args:
+            if a is None or isinstance(a, bool):
+                key.append(a)
+            elif type(a) is _TORCH_TENSOR:
+                key.append((a.shape, a.stride(), a.dtype, a.device))
+            else:
+                return None
+        return tuple(key)
+
+    def _remember(self, key: Optional[Tuple[Any, ...]]) -> None:
+        if key is None:
+            return
+        if len(self._checked) >= 64:  # shapes that change every call (no bound_m): stay bounded
+            self._checked.clear()
+        self._checked[key] = True
 
     def synchronize(self) -> None:
         """Waits for this object's outstanding work and raises any error a kernel or thread recorded."""

@@ -151,18 +151,20 @@ TEST(NvlinkGpu, W2DecodeShape) {
 
 // More than 512 tokens per sender: the routing scan is shared by several blocks (each counts its chunk, they wait
 // for each other on the GPU, then emit positions offset by the earlier chunks). Fused and split, masked and repeated
-// experts, ragged m and device boundM (chunks may be empty), both layouts; one and two GPUs.
+// experts, ragged m and device boundM (chunks may be empty), both layouts; one and two GPUs. Variant 3 has wide
+// tokens (4 work units each): enough peer units that the fused kernel's own-token blocks join the peers' expansion
+// (ownBlocksJoin), which decode-sized batches do not exercise.
 std::vector<Scenario> routingChunks(uint32_t world) {
   std::vector<Scenario> list;
-  for (int v = 0; v < 3; ++v) {
+  for (int v = 0; v < 4; ++v) {
     Scenario s = base(world);
     s.maxTokens = 1300;
     s.experts = 32;
     s.topK = 6;
-    s.hidden = 128;
+    s.hidden = v == 3 ? 7168 : 128;
     s.masked = true;
-    s.deviceBound = v != 0;
-    s.ragged = v != 0;
+    s.deviceBound = v == 1 || v == 2;
+    s.ragged = v == 1 || v == 2;
     s.split = v == 1;
     s.layout = v == 2 ? Layout::kPacked : Layout::kBatched;
     s.padding = v == 2 ? 8 : 1;

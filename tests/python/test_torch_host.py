@@ -30,3 +30,22 @@ def scenario_results():
 @pytest.mark.parametrize("name", [s["name"] for s in _torch_worker.scenarios("cpu")])
 def test_torch_host(name, scenario_results):
     _torch_worker.check_scenario(scenario_results, name, WORLD)
+
+
+def test_eager_calls_bypass_the_custom_op():
+    """A plain eager call goes straight to the library; traced calls and tensor subclasses take the custom op (what
+    torch.compile needs; the compile scenario above proves the traced path stays in one graph)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from epcomm import _torch_ops
+
+    x = torch.zeros(2)
+    assert not _torch_ops.needs_op(x)
+    with FakeTensorMode():
+        assert _torch_ops.needs_op(torch.zeros(2))
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def traced(t):
+        return t + 1 if _torch_ops.needs_op(t) else t - 1
+
+    assert torch.equal(traced(x), x + 1)

@@ -304,6 +304,12 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
   return true;
 }
 
+// Work units per token of dispatchPayload and expandTokens: pieces of 32 lanes x kUnroll 16-byte vectors.
+__device__ __forceinline__ uint32_t tokenPieces(const Geometry& g) {
+  const uint32_t units = g.hiddenBytes / 16;
+  return units == 0 ? 1 : static_cast<uint32_t>(ceilDiv(units, 32 * kUnroll));
+}
+
 // Send half, payload. Work unit = (token, piece of 32 * kUnroll vectors), so a decode-sized batch spreads over many
 // warps; each unit issues all its loads (expert indices, payload vectors, scales) before the first store, so a unit
 // costs one memory latency, then its stores go out once per destination *rank*.
@@ -314,7 +320,7 @@ __device__ void dispatchPayload(const DispatchKernelArgs& a, uint32_t n, uint32_
   const uint32_t lane = threadIdx.x % 32;
   const uint32_t K = g.topK, L = g.numLocalExperts, D = g.dpSize;
   const uint32_t units = g.hiddenBytes / 16, scaleWords = g.scaleBytes / 4;
-  const uint32_t pieces = units == 0 ? 1 : static_cast<uint32_t>(ceilDiv(units, 32 * kUnroll));
+  const uint32_t pieces = tokenPieces(g);
   for (uint32_t wu = warpId; wu < n * pieces; wu += numWarps) {
     const uint32_t j = wu / pieces, piece = wu % pieces;
     const uint32_t t = j * D + g.rank % D;
@@ -398,7 +404,7 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
   const RouteEntry* route = reinterpret_cast<const RouteEntry*>(local + g.offRoute);
   const uint32_t lane = threadIdx.x % 32;
   const uint32_t units = g.hiddenBytes / 16, scaleWords = g.scaleBytes / 4;
-  const uint32_t pieces = units == 0 ? 1 : static_cast<uint32_t>(ceilDiv(units, 32 * kUnroll));
+  const uint32_t pieces = tokenPieces(g);
   const uint32_t total = (mode == kExpandOwn ? nOwn : W * Ts) * pieces;
   for (uint32_t wu = warpId; wu < total; wu += numWarps) {
     const uint32_t item = wu / pieces, piece = wu % pieces;
@@ -481,6 +487,21 @@ __device__ bool waitRanks(char* local, const Geometry& g, int which, uint32_t ma
   return __syncthreads_and(ok ? 1 : 0) != 0;
 }
 
+// Whether the own-token blocks of the fused dispatch also expand the peers' tokens: only for more than
+// kJoinUnitsPerWarp work units per warp of the other blocks (prefill). Decided from the received token counts
+// (valid once every rank's routes are in), so every block decides the same. Measured on 2x H200: without the own
+// blocks decode T = 512 (2 units per warp) dispatched in 34.6 us instead of 37.9, but prefill T = 4096 (16 per warp)
+// in 148.8 / 153.0 us (eager / graph) instead of 145.1 / 142.8.
+constexpr uint32_t kJoinUnitsPerWarp = 4;
+__device__ bool ownBlocksJoin(char* local, const Geometry& g, uint32_t firstLocal) {
+  const int32_t* numTokens = reinterpret_cast<const int32_t*>(local + g.offNumTokens);
+  uint64_t peerTokens = 0;
+  for (uint32_t s = 0; s < g.worldSize; ++s) {
+    if (s != g.rank) peerTokens += static_cast<uint32_t>(numTokens[s]);
+  }
+  return peerTokens * tokenPieces(g) > static_cast<uint64_t>(kJoinUnitsPerWarp) * firstLocal * kWarps;
+}
+
 // Fused dispatch with roles, so this rank's own tokens never wait for NVLink (R = g.routeBlocks):
 //   blocks [0, R)         routing scan, signal "routes" and "dispatch" to every rank;
 //   blocks [R, R + P)     copy this rank's tokens to the *other* ranks' staging, signal "dispatch";
@@ -488,11 +509,11 @@ __device__ bool waitRanks(char* local, const Geometry& g, int which, uint32_t ma
 //                         expand this rank's own tokens straight from x (HBM to HBM, overlapping the NVLink copy);
 //   blocks [0, R + P)     then wait for every rank's routes, build the row tables, wait for the other ranks'
 //                         "dispatch" flags and expand their tokens from staging.
-// The own-token blocks do not take part in the peers' expansion: as one of the last steps of every block it had
-// them start their share only after their own tokens, and they finished last (trace, decode T = 128: exit of the
-// last block 18 us against 12-14 us for the others). Their count (dispatchKernel) is about (B - R) / W, the own
-// tokens' share of the expansion. Own staging slots are not written (nothing else reads them). `sendRound`: this
-// send's number (1-based).
+// The own-token blocks take part in the peers' expansion only when it is large (ownBlocksJoin): as one of the last
+// steps of every block it had them start their share only after their own tokens, and they finished last (trace,
+// decode T = 128: exit of the last block 18 us against 12-14 us for the others). Their count (dispatchKernel) is
+// about (B - R) / W, the own tokens' share of the expansion. Own staging slots are not written (nothing else reads
+// them). `sendRound`: this send's number (1-based).
 __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32_t n, uint32_t round,
                               uint32_t sendRound, uint32_t payloadBlocks) {
   const Geometry& g = a.g;
@@ -512,6 +533,14 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
     }
     expandTokens(a, rt, kExpandOwn, n, spreadWarp(blockIdx.x - firstLocal, B - firstLocal), (B - firstLocal) * kWarps);
     tracePoint(a.st, kTrOwnDone);
+    if (!ownBlocksJoin(local, g, firstLocal)) return;
+    // The row tables are still in smem (expandTokens only reads them).
+    if (!waitRanks(local, g, kFlagDispatch, peerRanks, static_cast<uint64_t>(round) * g.blocks, a.st,
+                   kPhaseDispatchRecv)) {
+      return;
+    }
+    tracePoint(a.st, kTrPeersIn);
+    expandTokens(a, rt, kExpandPeers, n, spreadWarp(blockIdx.x, B), B * kWarps);
     return;
   }
   if (blockIdx.x < R) {
@@ -535,7 +564,11 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
     return;
   }
   tracePoint(a.st, kTrPeersIn);
-  expandTokens(a, rt, kExpandPeers, n, spreadWarp(blockIdx.x, firstLocal), firstLocal * kWarps);
+  if (ownBlocksJoin(local, g, firstLocal)) {
+    expandTokens(a, rt, kExpandPeers, n, spreadWarp(blockIdx.x, B), B * kWarps);
+  } else {
+    expandTokens(a, rt, kExpandPeers, n, spreadWarp(blockIdx.x, firstLocal), firstLocal * kWarps);
+  }
 }
 
 template <bool kSend, bool kRecv>
