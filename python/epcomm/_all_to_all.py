@@ -185,9 +185,10 @@ class AllToAll:
             torch.distributed group.
 
     Calls are stream-ordered on the caller's current CUDA stream (torch) or on ``stream=`` (any other framework),
-    never synchronise the host on GPU backends, and are captured by CUDA graphs. With torch tensors they run as the
-    custom ops ``torch.ops.epcomm.dispatch`` (``dispatch_scaled``) / ``combine``, so torch.compile(fullgraph=True)
-    keeps them in the graph.
+    never synchronise the host on GPU backends, and are captured by CUDA graphs. Traced by torch.compile (or given
+    tensor subclasses) they run as the custom ops ``torch.ops.epcomm.dispatch`` (``dispatch_scaled``) /
+    ``combine``, so torch.compile(fullgraph=True) keeps them in the graph; plain eager calls go straight to the
+    library.
     """
 
     def __init__(self, max_num_tokens: int, num_experts: int, experts_per_token: int, rank: int, world_size: int,
