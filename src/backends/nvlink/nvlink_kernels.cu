@@ -200,9 +200,9 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
     const uint32_t j = jb + threadIdx.x;
     const bool active = j < hi;
     const uint32_t t = j * D + g.rank % D;
-    // Compact code on purpose: only the routing blocks run this, so every instruction is fetched cold (the trace
-    // showed ~5 us for a one-token pass). Loops are not unrolled; the token's indices are re-read (after the first
-    // load they hit L1) instead of being kept in an unrolled register array.
+    // Compact code: loops are not unrolled and the token's indices are re-read (L1 hits after the first load)
+    // instead of kept in an unrolled register array. A/B on 2x H200: decode dispatch 1-2 us faster than the unrolled
+    // form, though the pass itself still takes ~5 us at any token count (docs/nvlink.md, third pass).
     auto index = [&](uint32_t k) { return loadIndex(a.indices, a.indexKind, a.indexStrides, t, k); };
     uint64_t dupMask = 0;
     auto mark = [&](uint32_t k, int64_t e) {
