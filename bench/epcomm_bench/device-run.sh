@@ -22,7 +22,7 @@ for lib in $(ldd "$bin" "$BUILD/tests/gpu/nvlink_test" 2>/dev/null | awk '/not f
   f=$(find /usr /opt -name "$lib*" 2>/dev/null | head -1)
   [ -n "$f" ] && export LD_LIBRARY_PATH=$(dirname "$f")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 done
-echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-} rev=$(git rev-parse --short HEAD 2>/dev/null) $(nvidia-smi -L | wc -l) GPUs"
+echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-} rev=${EPBENCH_REV:-$(git rev-parse --short HEAD 2>/dev/null)} $(nvidia-smi -L | wc -l) GPUs"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   start=$(date +%s)
   ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout 300 >"$OUT/ctest.log" 2>&1
