@@ -63,6 +63,7 @@
 void epcommBenchSpin(cudaStream_t stream, unsigned nanoseconds);
 void epcommBenchEmpty(cudaStream_t stream, int blocks);
 void epcommBenchFlagPing(cudaStream_t stream, int blocks, uint64_t* nextFlag, const uint64_t* myFlag, uint64_t round);
+void epcommBenchStoreProbe(cudaStream_t stream, int blocks, char* dst, int n, int stride, uint64_t* out);
 
 namespace epcomm {
 namespace {
@@ -152,7 +153,8 @@ Options parse(int argc, char** argv) {
                    "             [--tokens 1,8,32,128,512,4096] [--iters 200] [--warmup 20] [--dp 1]\n"
                    "             [--json out.jsonl] [--rev GIT_REV] [--barrier shm|tcp] [--floor]\n"
                    "  --floor: also time, with the same method, an empty kernel and a one-flag exchange between\n"
-                   "  ranks (half the SMs' blocks of 512 threads, as the library launches): the floor of the method\n"
+                   "  ranks (half the SMs' blocks of 512 threads, as the library launches): the floor of the method;\n"
+                   "  and one thread's 8 x 16-byte stores into the peer's and into the own memory (in-kernel time)\n"
                    "  --backend host (and auto without a GPU): defaults --config decode,small,qwen3 --tokens 1,32,128\n"
                    "  --iters 50 --warmup 5; prefill only when named\n";
       std::exit(0);
@@ -358,9 +360,12 @@ class Bench {
   // the previous rank's (one NVLink flag each way), eager and device-only, as many blocks as the library launches
   // for decode. What any dispatch or combine costs at least when timed this way.
   void measureFloor() {
+    // 256 bytes of flags, then the store probe's target area (8 stores 2 KB apart, as the routing pass's pairs at
+    // T = 128), then its result words.
+    constexpr size_t kProbeOff = 256, kProbeBytes = 64 << 10, kBytes = kProbeOff + kProbeBytes + 64;
     uint64_t* flags = nullptr;
-    BENCH_CUDA(cudaMalloc(&flags, 256));
-    BENCH_CUDA(cudaMemset(flags, 0, 256));
+    BENCH_CUDA(cudaMalloc(&flags, kBytes));
+    BENCH_CUDA(cudaMemset(flags, 0, kBytes));
     cudaIpcMemHandle_t mine;
     BENCH_CUDA(cudaIpcGetMemHandle(&mine, flags));
     std::vector<cudaIpcMemHandle_t> all(world_);
@@ -377,6 +382,23 @@ class Bench {
     const double empty = agree(timeIt([&] { epcommBenchEmpty(stream_, blocks); }, false));
     const double flag = agree(timeIt(ping, false));
     const double flagDevice = agree(timeIt(ping, true));
+    // Store probe: in-kernel time of thread 0's 8 stores (issue) and of the system fence after them, into the next
+    // rank's memory and into its own; median over iterations, max over ranks.
+    uint64_t* probeOut = reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(flags) + kProbeOff + kProbeBytes);
+    auto probe = [&](void* base) {
+      std::vector<double> issue, fence;
+      for (int i = 0; i < o_.iters; ++i) {
+        sync();
+        epcommBenchStoreProbe(stream_, blocks, static_cast<char*>(base) + kProbeOff, 8, 2048, probeOut);
+        uint64_t ns[2] = {0, 0};
+        BENCH_CUDA(cudaMemcpy(ns, probeOut, sizeof(ns), cudaMemcpyDeviceToHost));
+        issue.push_back(ns[0] / 1e3);
+        fence.push_back(ns[1] / 1e3);
+      }
+      return std::make_pair(agree(issue), agree(fence));
+    };
+    const auto peerStores = probe(nextFlags);
+    const auto ownStores = probe(flags);
     sync();
     if (next != rank_) BENCH_CUDA(cudaIpcCloseMemHandle(nextFlags));
     barrier();
@@ -384,13 +406,17 @@ class Bench {
     if (rank_ != 0) return;
     std::printf(
         "# floor (%d blocks of 512 threads, median, max over ranks): empty kernel %.1f us; one flag each way %.1f us"
-        " eager, %.1f us device-only\n",
-        blocks, empty, flag, flagDevice);
+        " eager, %.1f us device-only\n"
+        "# store probe (one thread, 8 x 16 B, 2 KB apart; in-kernel us): into the peer %.2f issue + %.2f fence; into"
+        " the own GPU %.2f issue + %.2f fence\n",
+        blocks, empty, flag, flagDevice, peerStores.first, peerStores.second, ownStores.first, ownStores.second);
     std::fflush(stdout);
     std::ostringstream f;
     f << "{\"bench\":\"epcomm-floor\",\"world\":" << world_ << ",\"blocks\":" << blocks << ",\"empty_us\":" << empty
-      << ",\"flag_us\":" << flag << ",\"flag_device_us\":" << flagDevice << ",\"iters\":" << o_.iters << ",\"rev\":\""
-      << gitRev(o_) << "\",\"machine\":\"" << machine_ << "\"}\n";
+      << ",\"flag_us\":" << flag << ",\"flag_device_us\":" << flagDevice
+      << ",\"peer_store_issue_us\":" << peerStores.first << ",\"peer_store_fence_us\":" << peerStores.second
+      << ",\"own_store_issue_us\":" << ownStores.first << ",\"own_store_fence_us\":" << ownStores.second
+      << ",\"iters\":" << o_.iters << ",\"rev\":\"" << gitRev(o_) << "\",\"machine\":\"" << machine_ << "\"}\n";
     if (!o_.json.empty()) std::ofstream(o_.json, std::ios::app) << f.str();
   }
 
