@@ -449,7 +449,7 @@ std::string runScenario(const Scenario& s, uint32_t rank, Bootstrap& bootstrap) 
     rd.upload(rank, dev);
     dev.dispatch.stream = stream;
     dev.combine.stream = stream;
-    if (s.split) {
+    if (s.split || (s.splitOddRanks && rank % 2 == 1)) {
       // Between the halves the caller's work runs on the same stream.
       DispatchArgs send = dev.dispatch, recv = dev.dispatch;
       send.doRecv = false;

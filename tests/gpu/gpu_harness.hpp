@@ -47,8 +47,9 @@ struct Scenario {
   bool ragged = true;        ///< m per DP group random in [0, T]
   bool deviceBound = false;  ///< *boundM random in [0, m] on the device
   bool accumulate = false;
-  bool split = false;  ///< doSend and doRecv as separate calls, with a kernel of ours in between
-  int rounds = 3;      ///< rounds 0 and 1 use identical inputs: their outputs must be bitwise equal
+  bool split = false;          ///< doSend and doRecv as separate calls, with a kernel of ours in between
+  bool splitOddRanks = false;  ///< only the odd ranks split their calls (the others fuse): mixed modes in one round
+  int rounds = 3;              ///< rounds 0 and 1 use identical inputs: their outputs must be bitwise equal
   uint64_t seed = 1;
 };
 

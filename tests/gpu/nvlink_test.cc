@@ -122,6 +122,25 @@ TEST(NvlinkGpu, W2SplitAccumulate) {
   runAll(2, {s, f});
 }
 
+// One rank fuses its calls while the other splits them, in the same rounds: the protocol does not depend on the
+// peer's choice. Decode-sized tokens, and a sender with many work units (its copy signalled in parts where the
+// backend does so).
+TEST(NvlinkGpu, W2MixedFusedAndSplit) {
+  REQUIRE_GPUS(2);
+  Scenario s = base(2);
+  s.splitOddRanks = true;
+  s.masked = true;
+  s.rounds = 3;
+  Scenario wide = s;
+  wide.maxTokens = 1300;
+  wide.experts = 32;
+  wide.topK = 6;
+  wide.hidden = 7168;
+  wide.ragged = true;
+  wide.seed = 77;
+  runAll(2, {s, wide});
+}
+
 TEST(NvlinkGpu, W2DpGroupD2) {
   REQUIRE_GPUS(2);
   Scenario s = base(2);
