@@ -101,6 +101,19 @@ def describe(obj: Any) -> Optional[TensorInfo]:
     return info
 
 
+def _read_only(obj: Any) -> str:
+    """Why a buffer cannot be written ("" when it can): JAX arrays are immutable (writing through their DLPack
+    export would change values JAX assumes constant), numpy arrays may be flagged read-only."""
+    if isinstance(obj, TypedArray):
+        obj = obj.array
+    module = type(obj).__module__
+    if module.startswith(("jax", "jaxlib")):
+        return "it is a JAX array (immutable); pass a numpy / torch / CuPy buffer and convert the result"
+    if module == "numpy" and hasattr(obj, "flags") and not obj.flags.writeable:
+        return "the numpy array is read-only (flags.writeable is False)"
+    return ""
+
+
 def _itemsize(dtype: str) -> int:
     try:
         return _C.dtype_size(dtype)
@@ -116,11 +129,15 @@ class _Checker:
         self.cfg = cfg
         self.device = device
 
-    def info(self, name: str, obj: Any, required: bool) -> Optional[TensorInfo]:
+    def info(self, name: str, obj: Any, required: bool, written: bool = False) -> Optional[TensorInfo]:
         if obj is None:
             if required:
                 raise invalid_argument(f"{name} is required but None was given")
             return None
+        if written:
+            why = _read_only(obj)
+            if why:
+                raise invalid_argument(f"{name} is written by this call but {why}")
         info = describe(obj)
         if info is None:
             return None
@@ -218,13 +235,13 @@ class _Checker:
             elif dp_x_scale is not None:
                 raise invalid_argument("dp_x_scale given but hidden_dim_scale_bytes = 0")
         if do_recv:
-            n = self.info("out_expert_num_tokens", out_expert_num_tokens, True)
+            n = self.info("out_expert_num_tokens", out_expert_num_tokens, True, written=True)
             if n is not None:
                 self.dims("out_expert_num_tokens", n, [c.num_local_experts], ["local experts L = E / W"])
                 if n.dtype != "int32":
                     raise invalid_argument(f"out_expert_num_tokens must be int32, got {n.dtype}")
                 self.inner_contiguous("out_expert_num_tokens", n)
-            ox = self.info("out_expert_x", out_expert_x, True)
+            ox = self.info("out_expert_x", out_expert_x, True, written=True)
             if ox is not None:
                 item = _itemsize(ox.dtype)
                 if item == 0 or c.hidden_dim_bytes % item != 0:
@@ -235,7 +252,7 @@ class _Checker:
                 self.inner_contiguous("out_expert_x", ox)
                 self.row_aligned("out_expert_x", ox)
             if c.hidden_dim_scale_bytes > 0:
-                os_ = self.info("out_expert_x_scale", out_expert_x_scale, True)
+                os_ = self.info("out_expert_x_scale", out_expert_x_scale, True, written=True)
                 if os_ is not None:
                     if _itemsize(os_.dtype) != 4:
                         raise invalid_argument(f"out_expert_x_scale must have a 4-byte dtype (fp32), got {os_.dtype}")
@@ -258,7 +275,7 @@ class _Checker:
                 self.inner_contiguous("expert_y", y)
                 self.row_aligned("expert_y", y)
         if do_recv:
-            o = self.info("out_tokens", out_tokens, True)
+            o = self.info("out_tokens", out_tokens, True, written=True)
             m = None
             if o is not None:
                 if o.dtype not in float_types:

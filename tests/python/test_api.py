@@ -155,6 +155,11 @@ def test_conversion_errors_name_the_argument():
 
 # ---- Python-side checks (run before anything is launched) ----
 
+def _read_only(a):
+    a.flags.writeable = False
+    return a
+
+
 def _dispatch_args(cfg, m=4, **over):
     scale_cols = cfg.hidden_dim_scale_bytes // 4
     args = dict(
@@ -181,6 +186,8 @@ def _dispatch_args(cfg, m=4, **over):
     (dict(out_expert_num_tokens=np.zeros(3, np.int32)), "out_expert_num_tokens dimension 0 must be 4"),
     (dict(out_expert_x=np.zeros((4, 7, 8), np.float32)), "out_expert_x dimension 1 must be 8"),
     (dict(out_expert_x=None), "out_expert_x is required"),
+    (dict(out_expert_x=_read_only(np.zeros((4, 8, 8), np.float32))),
+     "out_expert_x is written by this call but the numpy array is read-only"),
     (dict(dp_x_scale=np.zeros((4, 1), np.float32)), "dp_x_scale given but hidden_dim_scale_bytes = 0"),
     (dict(bound_m=np.array([1, 2], np.int32)), "bound_m must hold exactly one element"),
     (dict(bound_m=np.array(1, np.int64)), "bound_m must be int32"),
@@ -208,6 +215,7 @@ def test_python_checks_accept_good_args_and_scales():
 @pytest.mark.parametrize("override, message", [
     (dict(out_tokens=np.zeros((4, 8), np.int32)), "out_tokens must be bf16, fp16 or fp32"),
     (dict(out_tokens=np.zeros((4, 12), np.float32)), "out_tokens dimension 1 must be 8"),
+    (dict(out_tokens=_read_only(np.zeros((4, 8), np.float32))), "out_tokens is written by this call but"),
     (dict(weights=np.zeros((4, 2), np.float16)), "weights must be fp32"),
     (dict(weights=np.zeros((4, 3), np.float32)), "weights dimension 1 must be 2"),
     (dict(expert_y=np.zeros((4, 8, 8), np.int64)), "expert_y must be bf16, fp16 or fp32"),

@@ -43,3 +43,21 @@ def test_jax_inputs_match_numpy_inputs(monkeypatch):
     # Every token's experts doubled it: out = 2 x * (sum of its unmasked weights).
     valid = np.where(idx >= 0, w, 0).sum(axis=1, keepdims=True)
     np.testing.assert_allclose(out_np, 2 * x * valid, rtol=1e-5, atol=1e-5)
+
+
+def test_jax_outputs_are_refused():
+    """A JAX array as a written argument is an error naming it (writing through its DLPack export would change an
+    immutable array); nothing is launched."""
+    T, E, K, H = 4, 4, 2, 64
+    cfg = epcomm.make_config(T, E, K, 0, 1, 1, H, H * 4, 0)
+    num = np.zeros(cfg.num_local_experts, np.int32)
+    ex = np.zeros((cfg.num_local_experts, cfg.batched_rows_per_expert, H), np.float32)
+    x = np.zeros((T, H), np.float32)
+    idx = np.zeros((T, K), np.int32)
+    from epcomm._tensors import check_combine, check_dispatch
+
+    with pytest.raises(epcomm.Error, match="out_expert_x is written by this call but it is a JAX array"):
+        check_dispatch(cfg, "cpu", num, jnp.asarray(ex), None, x, None, idx, None, True, True)
+    with pytest.raises(epcomm.Error, match="out_tokens is written by this call but it is a JAX array"):
+        check_combine(cfg, "cpu", jnp.zeros((T, H), jnp.float32), idx, np.zeros((T, K), np.float32), ex, None,
+                      True, True)
