@@ -62,8 +62,11 @@ struct CombineArgs {
   void* stream = nullptr;
 };
 
-/// One MoE communication object. Not thread-safe; dispatch and combine alternate. Several objects may be in
-/// flight at once (micro-batches). Calls on GPU backends are stream-ordered and never synchronise the host.
+/// One MoE communication object. Not thread-safe; dispatch and combine alternate (each whole, or as its send half
+/// then its receive half); a call out of that order throws kInvalidArgument naming the object's state, before
+/// anything is launched (the host backend also accepts a dispatch that repeats one never combined; nvlink does not:
+/// that dispatch would overwrite what the peers may still be reading). Several objects may be in flight at once
+/// (micro-batches). Calls on GPU backends are stream-ordered and never synchronise the host.
 /// Errors detected by a kernel or a background thread are thrown by the next call on the object.
 class AllToAll {
  public:

@@ -45,3 +45,26 @@ def test_docs_numpy_example():
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     example = next(b for b in blocks if "import numpy" in b)
     exec(compile(example, "docs/python.md", "exec"), {"__name__": "__example__"})
+
+
+def test_calls_out_of_order_are_refused(monkeypatch):
+    """Dispatch and combine alternate: a call out of order is an error naming the call and the object's state, and
+    the object stays usable (one process, W = 1)."""
+    monkeypatch.setenv("EPCOMM_FABRIC_PROVIDER", "tcp")
+    T, E, K, H = 4, 4, 2, 16
+    x = np.ones((T, H), np.float32)
+    idx = np.array([[0, 1], [1, 2], [2, 3], [3, 0]], np.int32)
+    w = np.full((T, K), 0.5, np.float32)
+    with epcomm.AllToAll(T, E, K, 0, 1, 1, H, H * 4, 0, backend="host",
+                         bootstrap=f"127.0.0.1:{free_port()}") as a2a:
+        num, ex, _ = a2a.alloc_dispatch_outputs("fp32")
+        out = a2a.alloc_combine_output(T, "fp32")
+        with pytest.raises(epcomm.Error, match="combine send while the object is 'idle'"):
+            a2a.combine(out, idx, w, ex)
+        with pytest.raises(epcomm.Error, match="dispatch receive while the object is 'idle'"):
+            a2a.dispatch(num, ex, None, x, None, idx, do_send=False)
+        a2a.dispatch(num, ex, None, x, None, idx)
+        a2a.combine(out, idx, w, (ex * 2).astype(np.float32))
+        with pytest.raises(epcomm.Error, match="combine send while the object is 'idle'"):
+            a2a.combine(out, idx, w, ex)
+        np.testing.assert_allclose(out, 2 * x)

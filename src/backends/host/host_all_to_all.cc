@@ -10,7 +10,8 @@
 namespace epcomm {
 namespace host {
 
-HostAllToAll::HostAllToAll(const Config& config, Bootstrap& bootstrap, const HostOptions& options) : config_(config) {
+HostAllToAll::HostAllToAll(const Config& config, Bootstrap& bootstrap, const HostOptions& options)
+    : config_(config), order_("host", config.rank, true) {
   config_.validate();
   EPCOMM_CHECK(
       static_cast<int>(config.worldSize) == bootstrap.worldSize() && static_cast<int>(config.rank) == bootstrap.rank(),
@@ -21,20 +22,6 @@ HostAllToAll::HostAllToAll(const Config& config, Bootstrap& bootstrap, const Hos
 }
 
 HostAllToAll::~HostAllToAll() = default;
-
-const char* HostAllToAll::stateName(State state) {
-  switch (state) {
-    case State::kIdle:
-      return "idle";
-    case State::kDispatchSent:
-      return "dispatch sent, not received";
-    case State::kDispatched:
-      return "dispatched";
-    case State::kCombineSent:
-      return "combine sent, not received";
-  }
-  return "?";
-}
 
 uint32_t HostAllToAll::boundOf(const int32_t* boundM, uint32_t m, const char* op) const {
   if (boundM == nullptr) return m;
@@ -48,26 +35,21 @@ void HostAllToAll::dispatch(const DispatchArgs& args) {
   channel_->rethrowIfBroken();
   const CheckedDispatch checked = checkDispatchArgs(config_, args, MemoryKind::kHost, -1);
   const proxy::ProtocolSizes& s = channel_->sizes();
+  order_.checkDispatch(args.doSend, args.doRecv);
   if (args.doSend) {
-    EPCOMM_CHECK(state_ == State::kIdle || state_ == State::kDispatched, kInvalidArgument,
-                 "host backend rank " << config_.rank << ": dispatch send while the object is '" << stateName(state_)
-                                      << "' (dispatch and combine alternate; finish the receive half first)");
     std::vector<uint8_t*> slots(s.worldSize);
     for (uint32_t p = 0; p < s.worldSize; ++p) slots[p] = channel_->sendSlot(p);
     DispatchSendParams params{&s, &args, checked, boundOf(args.boundM, checked.m, "dispatch"), slots.data()};
     dispatchSendKernel(params);
     channel_->postDispatch();
-    state_ = State::kDispatchSent;
+    order_.dispatched(true, false);
   }
   if (args.doRecv) {
-    EPCOMM_CHECK(state_ == State::kDispatchSent, kInvalidArgument,
-                 "host backend rank " << config_.rank << ": dispatch receive while the object is '" << stateName(state_)
-                                      << "' (call dispatch with doSend first)");
     channel_->waitDispatch();
     DispatchRecvParams params{&s,      &channel_->layout(),    &args,
                               checked, channel_->recvBuffer(), channel_->sendSlot(config_.rank)};
     dispatchRecvKernel(params);
-    state_ = State::kDispatched;
+    order_.dispatched(false, true);
   }
 }
 
@@ -75,21 +57,16 @@ void HostAllToAll::combine(const CombineArgs& args) {
   channel_->rethrowIfBroken();
   const CheckedCombine checked = checkCombineArgs(config_, args, MemoryKind::kHost, -1);
   const proxy::ProtocolSizes& s = channel_->sizes();
+  order_.checkCombine(args.doSend, args.doRecv);
   if (args.doSend) {
-    EPCOMM_CHECK(state_ == State::kDispatched, kInvalidArgument,
-                 "host backend rank " << config_.rank << ": combine send while the object is '" << stateName(state_)
-                                      << "' (combine follows a completed dispatch)");
     const uint64_t rowBytes = static_cast<uint64_t>(config_.hiddenDim) * dtypeSize(args.expertY.dtype);
     CombineSendParams params{&s, &channel_->layout(), &args, checked, channel_->combineSendBufferFor(rowBytes)};
     combineSendKernel(params);
     yDtype_ = args.expertY.dtype;
     channel_->postCombine(yDtype_);
-    state_ = State::kCombineSent;
+    order_.combined(true, false);
   }
   if (args.doRecv) {
-    EPCOMM_CHECK(state_ == State::kCombineSent, kInvalidArgument,
-                 "host backend rank " << config_.rank << ": combine receive while the object is '" << stateName(state_)
-                                      << "' (call combine with doSend first)");
     channel_->waitCombine();
     CombineRecvParams params{&s,
                              &channel_->layout(),
@@ -100,7 +77,7 @@ void HostAllToAll::combine(const CombineArgs& args) {
                              channel_->combineSendBuffer(),
                              channel_->combineRecvBuffer()};
     combineRecvKernel(params);
-    state_ = State::kIdle;
+    order_.combined(false, true);
   }
 }
 

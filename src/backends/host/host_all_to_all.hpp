@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "core/call_order.hpp"
 #include "core/validate.hpp"
 #include "epcomm/all_to_all.hpp"
 #include "proxy/proxy_channel.hpp"
@@ -42,14 +43,13 @@ class HostAllToAll final : public AllToAll {
   std::string providerName() const { return channel_->providerName(); }
 
  private:
-  // Where the object is in the dispatch -> combine alternation (each half may be split into send and recv).
-  enum class State { kIdle, kDispatchSent, kDispatched, kCombineSent };
-  static const char* stateName(State state);
   uint32_t boundOf(const int32_t* boundM, uint32_t m, const char* op) const;
 
   Config config_;
   std::unique_ptr<proxy::ProxyChannel> channel_;
-  State state_ = State::kIdle;
+  /// Where the object is in the dispatch -> combine alternation (each may be split into send and recv); a dispatch
+  /// may repeat without a combine in between (as this backend always allowed).
+  CallOrder order_;
   DType yDtype_ = DType::kInvalid;
 };
 

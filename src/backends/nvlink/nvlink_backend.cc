@@ -16,6 +16,7 @@
 #include "backends/nvlink/nvlink_kernels.hpp"
 #include "backends/nvlink/nvlink_layout.hpp"
 #include "backends/nvlink/nvlink_trace.hpp"
+#include "core/call_order.hpp"
 #include "core/env.hpp"
 #include "core/log.hpp"
 #include "core/validate.hpp"
@@ -197,6 +198,7 @@ class NvlinkAllToAll final : public AllToAll {
   void dispatch(const DispatchArgs& a) override {
     checkUsable();
     const CheckedDispatch c = checkDispatchArgs(config_, a, MemoryKind::kCuda, device_);
+    order_.checkDispatch(a.doSend, a.doRecv);
     nvlink::DispatchKernelArgs k{};
     fillCommon(k.g, k.peers, k.st);
     if (a.doSend) {
@@ -235,11 +237,13 @@ class NvlinkAllToAll final : public AllToAll {
     EPCOMM_CHECK(rc == 0, kCuda,
                  "rank " << config_.rank
                          << ": dispatch kernel launch failed: " << cudaGetErrorString(static_cast<cudaError_t>(rc)));
+    order_.dispatched(a.doSend, a.doRecv);
   }
 
   void combine(const CombineArgs& a) override {
     checkUsable();
     const CheckedCombine c = checkCombineArgs(config_, a, MemoryKind::kCuda, device_);
+    order_.checkCombine(a.doSend, a.doRecv);
     nvlink::CombineKernelArgs k{};
     fillCommon(k.g, k.peers, k.st);
     if (a.doSend) {
@@ -259,9 +263,6 @@ class NvlinkAllToAll final : public AllToAll {
       k.weightStrides[1] = w.strides[1];
       k.mSend = static_cast<uint32_t>(w.shape[0]);
       partialType_ = combineType(a.expertY.dtype);
-    } else {
-      EPCOMM_CHECK(partialType_ >= 0, kInvalidArgument,
-                   "combine recv half called before any combine send half on this object");
     }
     k.boundM = a.boundM;
     k.packed = config_.layout == Layout::kPacked ? 1 : 0;
@@ -284,6 +285,7 @@ class NvlinkAllToAll final : public AllToAll {
     EPCOMM_CHECK(rc == 0, kCuda,
                  "rank " << config_.rank
                          << ": combine kernel launch failed: " << cudaGetErrorString(static_cast<cudaError_t>(rc)));
+    order_.combined(a.doSend, a.doRecv);
   }
 
   void synchronize() override {
@@ -357,6 +359,9 @@ class NvlinkAllToAll final : public AllToAll {
   std::vector<char*> peers_;
   std::vector<void*> opened_;
   int partialType_ = -1;
+  /// Dispatch and combine alternate. A dispatch may not repeat without a combine: its send half would overwrite the
+  /// peers' staging and routes while they may still be reading the last round's (the combine is the barrier).
+  CallOrder order_{"nvlink", config_.rank, false};
   nvlink::PhaseTrace trace_;
   std::string failed_;
   ErrorCode failedCode_ = ErrorCode::kInternal;
