@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -381,6 +382,43 @@ TEST(NvlinkGpu, W2PeerNeverEntersCombineTimesOut) {
           cudaFree(p);
         }
         bootstrap.barrier();
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+// Calls out of order are refused before anything is launched, and the object stays usable: combine before any
+// dispatch, a receive half without its send half, a second dispatch before the combine.
+TEST(NvlinkGpu, W1CallsOutOfOrderAreRefused) {
+  REQUIRE_GPUS(1);
+  test::RunResult result = test::runRanks(
+      1,
+      [](int rank, Bootstrap& bootstrap) {
+        ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+        Scenario s = base(1);
+        auto a2a = createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "nvlink");
+        DeviceTensors dev;
+        gputest::allocateDevice(s, rank, dev);
+        Round r(s, 9);
+        r.upload(rank, dev);
+        auto refused = [](const std::function<void()>& call, const char* text) {
+          try {
+            call();
+            ADD_FAILURE() << "no error, expected: " << text;
+          } catch (const Error& e) {
+            EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+            EXPECT_NE(e.message().find(text), std::string::npos) << e.what();
+          }
+        };
+        refused([&] { a2a->combine(dev.combine); }, "combine send while the object is 'idle'");
+        DispatchArgs recvOnly = dev.dispatch;
+        recvOnly.doSend = false;
+        refused([&] { a2a->dispatch(recvOnly); }, "dispatch receive while the object is 'idle'");
+        a2a->dispatch(dev.dispatch);
+        refused([&] { a2a->dispatch(dev.dispatch); }, "combine the last dispatch first");
+        a2a->combine(dev.combine);
+        a2a->synchronize();
+        EXPECT_EQ(r.check(rank, dev), "");
       },
       options());
   EXPECT_TRUE(result.allOk()) << result.summary();
