@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import operator
 import sys
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from . import _C, _torch_ops
 from ._bootstrap import make_bootstrap
-from ._tensors import TypedArray, check_combine, check_dispatch, invalid_argument, is_torch_tensor
+from ._tensors import TypedArray, check_combine, check_dispatch, error, invalid_argument, is_torch_tensor
 
 # The module object itself (None without torch): dispatch()/combine() test isinstance against it, which
 # torch.compile traces without a graph break.
@@ -49,6 +50,20 @@ def make_config(max_num_tokens: int, num_experts: int, experts_per_token: int, r
                 dp_size: int, hidden_dim: int, hidden_dim_bytes: int, hidden_dim_scale_bytes: int,
                 expert_padding: int = 1, layout: str = "batched") -> "_C.Config":
     """A validated Config from pplx-style arguments; raises epcomm.Error(code='invalid_config')."""
+    sizes = dict(max_num_tokens=max_num_tokens, num_experts=num_experts, experts_per_token=experts_per_token,
+                 rank=rank, world_size=world_size, dp_size=dp_size, hidden_dim=hidden_dim,
+                 hidden_dim_bytes=hidden_dim_bytes, hidden_dim_scale_bytes=hidden_dim_scale_bytes,
+                 expert_padding=expert_padding)
+    for name, value in sizes.items():  # the fields are unsigned 32-bit: say which one is wrong, not a binding error
+        try:
+            ok = not isinstance(value, bool) and 0 <= operator.index(value) < 2 ** 32
+        except TypeError:
+            ok = False
+        if not ok:
+            raise error(f"{name} must be an integer in [0, 2^32), got {value!r}", "invalid_config")
+        sizes[name] = operator.index(value)
+    (max_num_tokens, num_experts, experts_per_token, rank, world_size, dp_size, hidden_dim, hidden_dim_bytes,
+     hidden_dim_scale_bytes, expert_padding) = sizes.values()
     cfg = _C.Config()
     cfg.max_num_tokens = max_num_tokens
     cfg.num_experts = num_experts

@@ -37,12 +37,17 @@ class TensorInfo(NamedTuple):
     device: str  # "cpu" or "cuda:N"
 
 
-def invalid_argument(message: str) -> "_C.Error":
-    """An epcomm.Error with code 'invalid_argument' (raised by the Python-side checks)."""
+def error(message: str, code: str) -> "_C.Error":
+    """An epcomm.Error with `code` ("invalid_argument", "invalid_config", ...) raised by a Python-side check."""
     err = _C.Error(message)
-    err.code = "invalid_argument"
+    err.code = code
     err.message = message
     return err
+
+
+def invalid_argument(message: str) -> "_C.Error":
+    """An epcomm.Error with code 'invalid_argument' (raised by the Python-side checks)."""
+    return error(message, "invalid_argument")
 
 
 _NUMPY_DTYPES = {

@@ -43,6 +43,18 @@ def test_invalid_config_raises_epcomm_error():
     assert info.value.file.endswith(".cc") and info.value.line > 0
 
 
+@pytest.mark.parametrize("field, value", [("max_num_tokens", -1), ("hidden_dim", 64.5), ("experts_per_token", True),
+                                          ("num_experts", 2 ** 32), ("rank", "0")])
+def test_config_fields_must_be_unsigned_ints(field, value):
+    with pytest.raises(epcomm.Error, match=f"{field} must be an integer in \\[0, 2\\^32\\), got") as info:
+        small_config(**{field: value})
+    assert info.value.code == "invalid_config"
+
+
+def test_config_accepts_numpy_integers():
+    assert small_config(max_num_tokens=np.int64(8)).max_num_tokens == 8
+
+
 def test_unknown_layout_and_standard_config():
     with pytest.raises(epcomm.Error, match="unknown layout 'diagonal'"):
         small_config(layout="diagonal")
