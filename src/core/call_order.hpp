@@ -20,43 +20,23 @@ class CallOrder {
 
   void checkDispatch(bool doSend, bool doRecv) const {
     if (doSend) {
-      EPCOMM_CHECK(state_ == State::kIdle || (dispatchMayRepeat_ && state_ == State::kDispatched), kInvalidArgument,
-                   backend_ << " backend rank " << rank_ << ": dispatch send while the object is '" << name(state_)
-                            << "' (dispatch and combine alternate"
-                            << (state_ == State::kDispatched ? ": combine the last dispatch first)"
-                                                             : "; finish the receive half first)"));
+      require(state_ == State::kIdle || (dispatchMayRepeat_ && state_ == State::kDispatched), "dispatch send",
+              state_ == State::kDispatched ? "dispatch and combine alternate: combine the last dispatch first"
+                                           : "dispatch and combine alternate; finish the receive half first");
     } else if (doRecv) {
-      EPCOMM_CHECK(state_ == State::kDispatchSent, kInvalidArgument,
-                   backend_ << " backend rank " << rank_ << ": dispatch receive while the object is '" << name(state_)
-                            << "' (call dispatch with doSend first)");
+      require(state_ == State::kDispatchSent, "dispatch receive", "call dispatch with doSend first");
     }
   }
-  void dispatched(bool doSend, bool doRecv) {
-    if (doRecv) {
-      state_ = State::kDispatched;
-    } else if (doSend) {
-      state_ = State::kDispatchSent;
-    }
-  }
+  void dispatched(bool doSend, bool doRecv) { advance(doSend, doRecv, State::kDispatchSent, State::kDispatched); }
 
   void checkCombine(bool doSend, bool doRecv) const {
     if (doSend) {
-      EPCOMM_CHECK(state_ == State::kDispatched, kInvalidArgument,
-                   backend_ << " backend rank " << rank_ << ": combine send while the object is '" << name(state_)
-                            << "' (combine follows a completed dispatch)");
+      require(state_ == State::kDispatched, "combine send", "combine follows a completed dispatch");
     } else if (doRecv) {
-      EPCOMM_CHECK(state_ == State::kCombineSent, kInvalidArgument,
-                   backend_ << " backend rank " << rank_ << ": combine receive while the object is '" << name(state_)
-                            << "' (call combine with doSend first)");
+      require(state_ == State::kCombineSent, "combine receive", "call combine with doSend first");
     }
   }
-  void combined(bool doSend, bool doRecv) {
-    if (doRecv) {
-      state_ = State::kIdle;
-    } else if (doSend) {
-      state_ = State::kCombineSent;
-    }
-  }
+  void combined(bool doSend, bool doRecv) { advance(doSend, doRecv, State::kCombineSent, State::kIdle); }
 
   State state() const { return state_; }
 
@@ -75,6 +55,20 @@ class CallOrder {
   }
 
  private:
+  void require(bool ok, const char* call, const char* hint) const {
+    EPCOMM_CHECK(ok, kInvalidArgument,
+                 backend_ << " backend rank " << rank_ << ": " << call << " while the object is '" << name(state_)
+                          << "' (" << hint << ")");
+  }
+  // A call that had its receive half completes the step; a send half alone leaves it half done.
+  void advance(bool doSend, bool doRecv, State sent, State done) {
+    if (doRecv) {
+      state_ = done;
+    } else if (doSend) {
+      state_ = sent;
+    }
+  }
+
   const char* backend_;
   uint32_t rank_;
   bool dispatchMayRepeat_;
