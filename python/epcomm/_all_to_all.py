@@ -54,27 +54,15 @@ def make_config(max_num_tokens: int, num_experts: int, experts_per_token: int, r
                  rank=rank, world_size=world_size, dp_size=dp_size, hidden_dim=hidden_dim,
                  hidden_dim_bytes=hidden_dim_bytes, hidden_dim_scale_bytes=hidden_dim_scale_bytes,
                  expert_padding=expert_padding)
+    cfg = _C.Config()
     for name, value in sizes.items():  # the fields are unsigned 32-bit: say which one is wrong, not a binding error
         try:
-            ok = not isinstance(value, bool) and 0 <= operator.index(value) < 2 ** 32
+            v = -1 if isinstance(value, bool) else operator.index(value)
         except TypeError:
-            ok = False
-        if not ok:
+            v = -1
+        if not 0 <= v < 2 ** 32:
             raise error(f"{name} must be an integer in [0, 2^32), got {value!r}", "invalid_config")
-        sizes[name] = operator.index(value)
-    (max_num_tokens, num_experts, experts_per_token, rank, world_size, dp_size, hidden_dim, hidden_dim_bytes,
-     hidden_dim_scale_bytes, expert_padding) = sizes.values()
-    cfg = _C.Config()
-    cfg.max_num_tokens = max_num_tokens
-    cfg.num_experts = num_experts
-    cfg.experts_per_token = experts_per_token
-    cfg.rank = rank
-    cfg.world_size = world_size
-    cfg.dp_size = dp_size
-    cfg.hidden_dim = hidden_dim
-    cfg.hidden_dim_bytes = hidden_dim_bytes
-    cfg.hidden_dim_scale_bytes = hidden_dim_scale_bytes
-    cfg.expert_padding = expert_padding
+        setattr(cfg, name, v)
     cfg.layout = _C.layout_from_name(layout) if isinstance(layout, str) else layout
     cfg.validate()
     return cfg
