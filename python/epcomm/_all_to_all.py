@@ -298,12 +298,8 @@ class AllToAll:
     def _dispatch_eager(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
                         bound_m, do_send, do_recv, stream) -> None:
         impl = self._live()
-        args = (out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices, bound_m, do_send,
-                do_recv)
-        key = self._signature("dispatch", args)
-        if key is None or key not in self._checked:
-            check_dispatch(self._config, self.device, *args)
-            self._remember(key)
+        self._check_once("dispatch", check_dispatch, (out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
+                                                      dp_x_scale, indices, bound_m, do_send, do_recv))
         if stream is None:
             stream = _current_stream(dp_x, out_expert_x)
         impl.dispatch(_prepare(out_expert_num_tokens), _prepare(out_expert_x), _prepare(out_expert_x_scale),
@@ -313,11 +309,7 @@ class AllToAll:
     def _combine_eager(self, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, accumulate,
                        stream) -> None:
         impl = self._live()
-        args = (out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv)
-        key = self._signature("combine", args)
-        if key is None or key not in self._checked:
-            check_combine(self._config, self.device, *args)
-            self._remember(key)
+        self._check_once("combine", check_combine, (out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv))
         if stream is None:
             stream = _current_stream(out_tokens, expert_y)
         impl.combine(_prepare(out_tokens), _prepare(indices), _prepare(weights), _prepare(expert_y),
@@ -339,12 +331,16 @@ class AllToAll:
                 return None
         return tuple(key)
 
-    def _remember(self, key: Optional[Tuple[Any, ...]]) -> None:
-        if key is None:
+    def _check_once(self, op: str, check: Any, args: Tuple[Any, ...]) -> None:
+        """Runs the Python checks of a call unless its signature passed them before."""
+        key = self._signature(op, args)
+        if key is not None and key in self._checked:
             return
-        if len(self._checked) >= 64:  # shapes that change every call (no bound_m): stay bounded
-            self._checked.clear()
-        self._checked[key] = True
+        check(self._config, self.device, *args)
+        if key is not None:
+            if len(self._checked) >= 64:  # shapes that change every call (no bound_m): stay bounded
+                self._checked.clear()
+            self._checked[key] = True
 
     def synchronize(self) -> None:
         """Waits for this object's outstanding work and raises any error a kernel or thread recorded."""
