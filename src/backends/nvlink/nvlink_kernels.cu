@@ -304,10 +304,20 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
   return true;
 }
 
-// Work units per token of dispatchPayload and expandTokens: pieces of 32 lanes x kUnroll 16-byte vectors.
+// 16-byte vectors per lane in one work unit of dispatchPayload and expandTokens: kUnroll (4 KiB per warp), or half of
+// that when a full batch at kUnroll has fewer units than the kernel has warps (decode: 7 KB tokens were 2 units, so
+// 128 tokens kept only half the own-token blocks' warps busy, each storing ~4 rows of 4 KiB).
+__device__ __forceinline__ uint32_t unitVectors(const Geometry& g) {
+  const uint64_t full = ceilDiv(g.hiddenBytes / 16 == 0 ? 1 : g.hiddenBytes / 16, 32 * kUnroll);
+  return static_cast<uint64_t>(g.slotsPerSender) * g.worldSize * full <= static_cast<uint64_t>(g.blocks) * kWarps
+             ? kUnroll / 2
+             : kUnroll;
+}
+
+// Work units per token of dispatchPayload and expandTokens: pieces of 32 lanes x unitVectors(g) 16-byte vectors.
 __device__ __forceinline__ uint32_t tokenPieces(const Geometry& g) {
   const uint32_t units = g.hiddenBytes / 16;
-  return units == 0 ? 1 : static_cast<uint32_t>(ceilDiv(units, 32 * kUnroll));
+  return units == 0 ? 1 : static_cast<uint32_t>(ceilDiv(units, 32 * unitVectors(g)));
 }
 
 // Send half, payload. Work unit = (token, piece of 32 * kUnroll vectors), so a decode-sized batch spreads over many
@@ -328,11 +338,11 @@ __device__ void dispatchPayload(const DispatchKernelArgs& a, uint32_t n, uint32_
     int64_t e0 = -1;
     if (lane < K) e0 = loadIndex(a.indices, a.indexKind, a.indexStrides, t, lane);
     int4 v[kUnroll];
-    const uint32_t u0 = piece * 32 * kUnroll + lane;
+    const uint32_t vpl = unitVectors(g), u0 = piece * 32 * vpl + lane;
 #pragma unroll
     for (int i = 0; i < kUnroll; ++i) {
       const uint32_t u = u0 + i * 32;
-      if (u < units) v[i] = ldGlobalNc16(src + static_cast<uint64_t>(u) * 16);
+      if (i < vpl && u < units) v[i] = ldGlobalNc16(src + static_cast<uint64_t>(u) * 16);
     }
     // The last piece also carries the scales (its payload share is the smallest); the first 64 words are loaded
     // with the payload, any further ones after it.
@@ -362,7 +372,7 @@ __device__ void dispatchPayload(const DispatchKernelArgs& a, uint32_t n, uint32_
 #pragma unroll
       for (int i = 0; i < kUnroll; ++i) {
         const uint32_t u = u0 + i * 32;
-        if (u < units) st16(dst + static_cast<uint64_t>(u) * 16, v[i]);
+        if (i < vpl && u < units) st16(dst + static_cast<uint64_t>(u) * 16, v[i]);
       }
       if (scales) {
 #pragma unroll
@@ -427,11 +437,11 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
     RouteEntry e0{-1, 0};
     if (lane < K) e0 = route[routeIndex(K, Ts, s, j, lane)];
     int4 v[kUnroll];
-    const uint32_t u0 = piece * 32 * kUnroll + lane;
+    const uint32_t vpl = unitVectors(g), u0 = piece * 32 * vpl + lane;
 #pragma unroll
     for (int i = 0; i < kUnroll; ++i) {
       const uint32_t u = u0 + i * 32;
-      if (u < units) v[i] = *reinterpret_cast<const int4*>(src + static_cast<uint64_t>(u) * 16);
+      if (i < vpl && u < units) v[i] = *reinterpret_cast<const int4*>(src + static_cast<uint64_t>(u) * 16);
     }
     const bool scales = piece == pieces - 1;
     uint32_t sc[2] = {0, 0};
@@ -457,7 +467,7 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
 #pragma unroll
         for (int i = 0; i < kUnroll; ++i) {
           const uint32_t u = u0 + i * 32;
-          if (u < units) st16(dst + static_cast<uint64_t>(u) * 16, v[i]);
+          if (i < vpl && u < units) st16(dst + static_cast<uint64_t>(u) * 16, v[i]);
         }
         if (scales) {
           const int64_t so = __shfl_sync(0xffffffffu, scaleOff, b);
