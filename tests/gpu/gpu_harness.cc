@@ -253,13 +253,14 @@ Round::Round(const Scenario& s, uint64_t seed) : d_(new RoundData) {
     a.boundM = &d.bound[r];
   }
   reference::dispatch(d.config, da);
-  // Expert outputs: random values in the rows that hold a token (known from the reference dispatch's counts), NaN
-  // (all bytes 0xFF, in every float type) in the others, so a combine that reads a row nobody dispatched to fails.
+  // Expert outputs: random values in the rows that hold a token (known from the reference dispatch's counts); the
+  // device copy has NaN (all bytes 0xFF, in every float type) in the others (upload), so a combine that reads a row
+  // nobody dispatched to fails. The host copy leaves those rows untouched (zero pages; the reference never reads them).
   // Filling every row made the large scenarios spend most of their time here (e.g. 300 M elements per rank per
   // round for 1300 tokens of 7168 with 16 local experts).
   for (uint32_t r = 0; r < W; ++r) {
     d.used.push_back(usedRows(s, sh, d.outCounts[r].data<int32_t>()));
-    HostTensor y(s.yType, {static_cast<int64_t>(sh.rows * sh.H)});  // unused rows: NaN on the device (upload)
+    HostTensor y(s.yType, {static_cast<int64_t>(sh.rows * sh.H)});
     std::mt19937_64 yr(seed * 15485863 + 7 * r + 1);
     for (const auto& [first, count] : d.used[r]) {
       for (uint64_t i = first * sh.H; i < (first + count) * sh.H; ++i)

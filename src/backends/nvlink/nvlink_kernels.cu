@@ -320,10 +320,10 @@ __device__ __forceinline__ uint32_t tokenPieces(const Geometry& g) {
   return units == 0 ? 1 : static_cast<uint32_t>(ceilDiv(units, 32 * unitVectors(g)));
 }
 
-// Send half, payload. Work unit = (token, piece of 32 * kUnroll vectors), so a decode-sized batch spreads over many
-// warps; each unit issues all its loads (expert indices, payload vectors, scales) before the first store, so a unit
-// costs one memory latency, then its stores go out once per destination *rank*.
-// `destMask`: the ranks this call may store into (the fused kernel leaves its own rank out).
+// Send half, payload. Work unit = (token, piece of 32 * unitVectors(g) vectors), so a decode-sized batch spreads over
+// many warps; each unit issues all its loads (expert indices, payload vectors, scales) before the first store, so a
+// unit costs one memory latency, then its stores go out once per destination *rank*. `destMask`: the ranks this call
+// may store into (the fused kernel leaves its own rank out).
 __device__ void dispatchPayload(const DispatchKernelArgs& a, uint32_t n, uint32_t warpId, uint32_t numWarps,
                                 uint32_t destMask) {
   const Geometry& g = a.g;

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Nsight Compute on the fused decode dispatch of the nvlink backend, to place the routing pass's time (docs/nvlink.md,
+# fourth pass: every step of it costs 0.6-2 us whatever the token count; the hypothesis is cold instruction fetch,
+# which ncu shows as "No Instruction" stalls, against "Long Scoreboard" for memory).
+#
+#   BUILD=build-prof bash bench/epcomm_bench/ncu-dispatch.sh     (writes $OUT/dispatch-w1.ncu-rep and text pages)
+#
+# W = 1 (one GPU): ncu replays a kernel to collect its sections, restoring device memory in between, and a W = 2
+# kernel would wait in each replay for a peer that is not replaying. At W = 1 the routing block runs the same pass
+# (256 local experts, entries stored into the own GPU). Build with -DCMAKE_CUDA_FLAGS=-lineinfo for CUDA source
+# lines beside the SASS. Clocks are left alone (--clock-control none), as the device notes ask.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+BUILD=${BUILD:-build-perf}
+TOKENS=${TOKENS:-128}
+ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+if [ -z "$ncu" ]; then
+  echo "ncu not found" >&2
+  exit 2
+fi
+# The fused kernel is dispatchKernel<true, true> (mangled ...dispatchKernelILb1ELb1E...); skip the warm-up launches.
+"$ncu" --target-processes all --clock-control none --kernel-name-base mangled \
+  --kernel-name regex:dispatchKernelILb1ELb1E --launch-skip 20 --launch-count 1 --set full --import-source yes \
+  -f -o "$OUT/dispatch-w1" \
+  "$BUILD/bench/epcomm_bench/epcomm-bench" --backend nvlink --world 1 --config decode --tokens "$TOKENS" \
+  --iters 30 --warmup 5 >"$OUT/ncu-run.log" 2>&1
+echo "ncu rc=$? ($(grep -c '==PROF==' "$OUT/ncu-run.log") profiler lines)"
+tail -3 "$OUT/ncu-run.log"
+rep="$OUT/dispatch-w1.ncu-rep"
+[ -f "$rep" ] || exit 1
+# Whole-kernel stall reasons, then per-instruction samples (the routing pass is the code only block 0 runs).
+"$ncu" --import "$rep" --page details --section WarpStateStats --section SchedulerStats --section LaunchStats \
+  --section InstructionStats >"$OUT/ncu-details.txt" 2>&1
+"$ncu" --import "$rep" --page source --csv --print-source sass >"$OUT/ncu-source-sass.csv" 2>&1
+grep -iE "stall|no instruction|long scoreboard|issued" "$OUT/ncu-details.txt" | head -30
