@@ -67,6 +67,19 @@ Scenario base(uint32_t world) {
   return s;
 }
 
+// One rank's nvlink object for `s`, its device tensors and one round's inputs uploaded into them (the tests that
+// drive the calls themselves: errors, timeouts, call order). The current CUDA device is chosen by the caller.
+struct LoadedObject {
+  LoadedObject(const Scenario& s, int rank, Bootstrap& bootstrap, uint64_t seed)
+      : a2a(createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "nvlink")), round(s, seed) {
+    gputest::allocateDevice(s, rank, dev);
+    round.upload(rank, dev);
+  }
+  std::unique_ptr<AllToAll> a2a;
+  DeviceTensors dev;
+  Round round;
+};
+
 TEST(NvlinkGpu, W1Basic) {
   REQUIRE_GPUS(1);
   runAll(1, {base(1)});
@@ -352,12 +365,9 @@ TEST(NvlinkGpu, W2PeerNeverEntersCombineTimesOut) {
         int count = 0;
         ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
         ASSERT_EQ(cudaSetDevice(rank % count), cudaSuccess);
-        Scenario s = base(2);
-        auto a2a = createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "nvlink");
-        DeviceTensors dev;
-        gputest::allocateDevice(s, rank, dev);
-        Round r(s, 77);
-        r.upload(rank, dev);
+        LoadedObject o(base(2), rank, bootstrap, 77);
+        auto& a2a = o.a2a;
+        DeviceTensors& dev = o.dev;
         a2a->dispatch(dev.dispatch);
         a2a->synchronize();
         if (rank == 0) {
@@ -395,12 +405,9 @@ TEST(NvlinkGpu, W1CallsOutOfOrderAreRefused) {
       1,
       [](int rank, Bootstrap& bootstrap) {
         ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-        Scenario s = base(1);
-        auto a2a = createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "nvlink");
-        DeviceTensors dev;
-        gputest::allocateDevice(s, rank, dev);
-        Round r(s, 9);
-        r.upload(rank, dev);
+        LoadedObject o(base(1), rank, bootstrap, 9);
+        auto& a2a = o.a2a;
+        DeviceTensors& dev = o.dev;
         auto refused = [](const std::function<void()>& call, const char* text) {
           try {
             call();
@@ -418,7 +425,7 @@ TEST(NvlinkGpu, W1CallsOutOfOrderAreRefused) {
         refused([&] { a2a->dispatch(dev.dispatch); }, "combine the last dispatch first");
         a2a->combine(dev.combine);
         a2a->synchronize();
-        EXPECT_EQ(r.check(rank, dev), "");
+        EXPECT_EQ(o.round.check(rank, dev), "");
       },
       options());
   EXPECT_TRUE(result.allOk()) << result.summary();
@@ -433,11 +440,9 @@ TEST(NvlinkGpu, W1BadIndexIsDeviceError) {
         ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
         Scenario s = base(1);
         s.ragged = false;
-        auto a2a = createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "nvlink");
-        DeviceTensors dev;
-        gputest::allocateDevice(s, rank, dev);
-        Round r(s, 5);
-        r.upload(rank, dev);
+        LoadedObject o(s, rank, bootstrap, 5);
+        auto& a2a = o.a2a;
+        DeviceTensors& dev = o.dev;
         const int32_t bad = static_cast<int32_t>(s.experts) + 3;
         ASSERT_EQ(
             cudaMemcpy(static_cast<int32_t*>(dev.indices.get()) + 2 * s.topK + 1, &bad, 4, cudaMemcpyHostToDevice),
