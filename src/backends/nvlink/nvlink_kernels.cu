@@ -194,15 +194,24 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
   for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) running[e] = 0;
   __syncthreads();
   tracePoint(a.st, kTrRouteSetup);
-  // One pass = kThreads tokens, one per thread. A repeated expert finds its own lane bit already set: atomicOr's old
-  // value marks it (dupMask, k < 64), so no k^2 re-reading of the token's indices.
+  // One pass = up to kThreads tokens, one per lane of `tokenWarps` warps. When the pass has fewer tokens than the
+  // block has threads (decode: 128 tokens, 4 of 16 warps), the other warps take a share of the token's entry pairs
+  // (k0, k0 + 1): warp = group * tokenWarps + token warp, group g marks and emits pairs g, g + groups, ... So a thread
+  // does K / (2 * groups) pairs instead of K / 2 (decode K = 8: one pair), and the scan runs over tokenWarps rows.
+  // A repeated expert finds its own lane bit already set: atomicOr's old value marks it (dupMask, k < 64), so no
+  // k^2 re-reading of the token's indices. Which of a token's repeats carries the mark may differ between runs
+  // (different warps); exactly one does not, all have the same position, and neither expansion nor combine
+  // depends on which one it is.
   auto pass = [&](uint32_t jb, bool emitEntries) {
-    const uint32_t j = jb + threadIdx.x;
-    const bool active = j < hi;
+    const uint32_t tokenWarps = static_cast<uint32_t>(ceilDiv(min(hi - jb, kThreads), 32));
+    const uint32_t pairs = (K + 1) / 2, groups = min(pairs, kWarps / tokenWarps);
+    const uint32_t tw = warp % tokenWarps, group = warp / tokenWarps;
+    const uint32_t j = jb + tw * 32 + lane;
+    const bool active = j < hi && group < groups;
     const uint32_t t = j * D + g.rank % D;
     // Compact code: loops are not unrolled and the token's indices are re-read (L1 hits after the first load)
     // instead of kept in an unrolled register array. A/B on 2x H200: decode dispatch 1-2 us faster than the unrolled
-    // form, though the pass itself still takes ~5 us at any token count (docs/nvlink.md, third pass).
+    // form (docs/nvlink.md, third pass).
     auto index = [&](uint32_t k) { return loadIndex(a.indices, a.indexKind, a.indexStrides, t, k); };
     uint64_t dupMask = 0;
     auto mark = [&](uint32_t k, int64_t e) {
@@ -212,19 +221,22 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
         return;
       }
       if (e < 0) return;
-      const uint32_t old = atomicOr(&bits[warp * E + static_cast<uint32_t>(e)], 1u << lane);
+      const uint32_t old = atomicOr(&bits[tw * E + static_cast<uint32_t>(e)], 1u << lane);
       if (old & (1u << lane)) dupMask |= 1ull << k;
     };
     if (active) {
 #pragma unroll 1
-      for (uint32_t k = 0; k < K; ++k) mark(k, index(k));
+      for (uint32_t k = 2 * group; k < K; k += 2 * groups) {
+        mark(k, index(k));
+        if (k + 1 < K) mark(k + 1, index(k + 1));
+      }
     }
     __syncthreads();
     tracePoint(a.st, kTrRouteMarked);
     for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
       int32_t r = running[e];
 #pragma unroll 1
-      for (uint32_t w = 0; w < kWarps; ++w) {
+      for (uint32_t w = 0; w < tokenWarps; ++w) {
         base[w * E + e] = r;
         r += __popc(bits[w * E + e]);
       }
@@ -245,7 +257,7 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
           if (k < K && ek[h] >= 0 && ek[h] < static_cast<int64_t>(E)) {
             const uint32_t ue = static_cast<uint32_t>(ek[h]);
             le[h] = static_cast<int32_t>(ue % L) | ((dupMask >> k) & 1 ? kDupBit : 0);
-            pos[h] = base[warp * E + ue] + __popc(bits[warp * E + ue] & laneMaskLt());
+            pos[h] = base[tw * E + ue] + __popc(bits[tw * E + ue] & laneMaskLt());
             owner[h] = ue / L;
           }
         }
@@ -257,11 +269,11 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
         }
       };
 #pragma unroll 1
-      for (uint32_t k0 = 0; k0 < K; k0 += 2) emit(k0, index(k0), k0 + 1 < K ? index(k0 + 1) : -1);
+      for (uint32_t k0 = 2 * group; k0 < K; k0 += 2 * groups) emit(k0, index(k0), k0 + 1 < K ? index(k0 + 1) : -1);
     }
     __syncthreads();
     tracePoint(a.st, kTrRouteEmitted);
-    for (uint32_t i = threadIdx.x; i < kWarps * E; i += blockDim.x) bits[i] = 0;
+    for (uint32_t i = threadIdx.x; i < tokenWarps * E; i += blockDim.x) bits[i] = 0;
     __syncthreads();
   };
   // After counting its chunk: publish the histogram, wait for the other routing blocks, start the positions at the
