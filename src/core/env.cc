@@ -23,6 +23,9 @@ const std::vector<EnvVar>& envVars() {
       {"EPCOMM_PRIVATE_TOKENS", "-1", "host/proxy backend: tokens in each sender's private area (-1: derived)"},
       {"EPCOMM_PROXY_CPU", "-1", "core to pin the progress/proxy thread to (-1: not pinned)"},
       {"EPCOMM_NVLINK_BLOCKS", "0", "nvlink backend: thread blocks per kernel (0: automatic)"},
+      {"EPCOMM_NVLINK_PULL", "-1",
+       "nvlink backend: 1 = receivers read the peers' tokens from the peers' memory, 0 = senders store them into the "
+       "receivers' memory, -1 = automatic (pull for batches of at least one work unit per warp)"},
       {"EPCOMM_NVLINK_TRACE", "0",
        "nvlink backend diagnostics: 1 stamps every kernel's phases per block and prints a summary at destruction"},
       {"EPCOMM_FABRIC_DOMAIN", "", "libfabric domain (interface) for the TransferEngine, e.g. lo (empty: first IPv4)"},
@@ -72,6 +75,7 @@ static Env readEnv() {
   e.proxyCpu = static_cast<int>(envInt("EPCOMM_PROXY_CPU"));
   e.nvlinkBlocks = static_cast<int>(envInt("EPCOMM_NVLINK_BLOCKS"));
   e.nvlinkTrace = envInt("EPCOMM_NVLINK_TRACE") != 0;
+  e.nvlinkPull = static_cast<int>(envInt("EPCOMM_NVLINK_PULL"));
   for (char** p = environ; p != nullptr && *p != nullptr; ++p) {
     if (std::strncmp(*p, "EPCOMM_", 7) != 0) continue;
     std::string name(*p, std::strchr(*p, '=') != nullptr ? std::strchr(*p, '=') - *p : std::strlen(*p));

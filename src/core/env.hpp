@@ -31,6 +31,7 @@ struct Env {
   int proxyCpu;                ///< EPCOMM_PROXY_CPU: core to pin progress/proxy threads to (-1 = none).
   int nvlinkBlocks;            ///< EPCOMM_NVLINK_BLOCKS: SMs used by nvlink kernels (0 = auto).
   bool nvlinkTrace;            ///< EPCOMM_NVLINK_TRACE: per-block phase stamps, summary at destruction.
+  int nvlinkPull;              ///< EPCOMM_NVLINK_PULL: 1 pull, 0 push, -1 automatic (see nvlink::makeGeometry).
 };
 
 /// The process-wide parsed environment (read on first call; thread-safe).

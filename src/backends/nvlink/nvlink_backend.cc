@@ -96,6 +96,7 @@ struct PeerInfo {
   char host[64];
   cudaIpcMemHandle_t handle;
   uint32_t blocks;
+  uint32_t pull;
   int32_t device;
   uint64_t bytes;
 };
@@ -107,7 +108,7 @@ class NvlinkAllToAll final : public AllToAll {
     EPCOMM_CHECK_CUDA(cudaSetDevice(device_));
     int sms = 0;
     EPCOMM_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
-    geo_ = nvlink::makeGeometry(config, chooseBlocks(config, sms));
+    geo_ = nvlink::makeGeometry(config, chooseBlocks(config, sms), env().nvlinkPull);
     const uint32_t W = config.worldSize;
     EPCOMM_CHECK(W <= nvlink::kMaxRanks, kUnavailable,
                  "nvlink backend supports at most " << nvlink::kMaxRanks << " ranks, got " << W);
@@ -139,6 +140,7 @@ class NvlinkAllToAll final : public AllToAll {
     PeerInfo mine{};
     gethostname(mine.host, sizeof(mine.host) - 1);
     mine.blocks = geo_.blocks;
+    mine.pull = geo_.pull;
     mine.device = device_;
     mine.bytes = geo_.totalBytes;
     EPCOMM_CHECK_CUDA(cudaIpcGetMemHandle(&mine.handle, region_));
@@ -152,6 +154,9 @@ class NvlinkAllToAll final : public AllToAll {
                    "ranks disagree on nvlink blocks per kernel: rank " << r << " uses " << all[r].blocks << ", rank "
                                                                        << config.rank << " uses " << geo_.blocks
                                                                        << " (set EPCOMM_NVLINK_BLOCKS equally)");
+      EPCOMM_CHECK(all[r].pull == geo_.pull, kInvalidConfig,
+                   "ranks disagree on the nvlink transfer mode: rank " << r << (all[r].pull ? " pulls" : " pushes")
+                                                                       << " (set EPCOMM_NVLINK_PULL equally)");
       EPCOMM_CHECK(all[r].bytes == geo_.totalBytes, kInvalidConfig,
                    "ranks disagree on the buffer size: rank " << r << " has " << all[r].bytes);
     }

@@ -378,6 +378,8 @@ __device__ void dispatchPayload(const DispatchKernelArgs& a, uint32_t n, uint32_
     }
     ranks = __reduce_or_sync(0xffffffffu, ranks) & destMask;
     if (ranks == 0) continue;
+    // Pull: one copy, into this rank's own slot, which every receiver of the token reads.
+    if (g.pull) ranks = 1u << g.rank;
     const uint64_t slotOff = g.offPayload + (static_cast<uint64_t>(g.rank) * g.slotsPerSender + j) * g.slotBytes;
     for (uint32_t m = ranks; m != 0; m &= m - 1) {
       uint8_t* dst = reinterpret_cast<uint8_t*>(a.peers[__ffs(m) - 1]) + slotOff;
@@ -441,7 +443,9 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
       scaleSrc = a.xScale + t * a.xScaleStrideBytes[0];
       scaleStride = a.xScaleStrideBytes[1];
     } else {
-      src = reinterpret_cast<const uint8_t*>(local + g.offPayload) + (static_cast<uint64_t>(s) * Ts + j) * g.slotBytes;
+      // Pull: sender s staged the token in its own region (read over NVLink); push: it stored it into ours.
+      const char* region = g.pull ? a.peers[s] : local;
+      src = reinterpret_cast<const uint8_t*>(region + g.offPayload) + (static_cast<uint64_t>(s) * Ts + j) * g.slotBytes;
       scaleSrc = src + g.hiddenBytes;
       scaleStride = 4;
     }

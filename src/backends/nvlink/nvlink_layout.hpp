@@ -36,7 +36,8 @@ constexpr uint32_t kNumFlags = 4;
 ///   numTokens   i32 [W]                 tokens sender s sent this round (its n_s)
 ///   counts      i32 [W][L]              tokens sender s routed to each local expert
 ///   route       RouteEntry [W][K/2][Ts][2]  per sent token: its K entries as seen from this rank (see routeIndex)
-///   payload     u8 [W][Ts][slotBytes]   token bytes then scales, slot = token index / D
+///   payload     u8 [W][Ts][slotBytes]   token bytes then scales, slot = token index / D (pull: a sender stages
+///                                       its own tokens in slots [rank][*] of its own region, read by receivers)
 ///   weights     f32 [W][Ts][K]          router weights pushed by the token's sender at combine start
 ///   partials    u8 [W][T][partialBytes] per expert rank e: sum over e's experts of w * y for token t
 struct Geometry {
@@ -51,6 +52,7 @@ struct Geometry {
   uint32_t blocks;          ///< B: blocks of every kernel, equal on every rank (flags count B signals per round)
   uint32_t routeBlocks;     ///< R: blocks sharing the routing scan (R route signals per sender per round)
   uint32_t routeChunk;      ///< tokens per routing block, a multiple of kThreads
+  uint32_t pull;            ///< 1: a sender stages its tokens in its own region and receivers read them over NVLink
   uint64_t offFlags, offNumTokens, offCounts, offRoute, offPayload, offWeights, offPartials, totalBytes;
 };
 
@@ -64,8 +66,11 @@ EPCOMM_HD uint64_t routeIndex(uint32_t K, uint32_t Ts, uint32_t s, uint32_t j, u
   return ((static_cast<uint64_t>(s) * pairs + k / 2) * Ts + j) * 2 + (k & 1);
 }
 
-/// Fills a Geometry for `config` with `blocks` blocks per kernel.
-inline Geometry makeGeometry(const Config& c, uint32_t blocks) {
+/// Fills a Geometry for `config` with `blocks` blocks per kernel. `pullMode`: 1 pull, 0 push, -1 automatic: pull
+/// when a sender's batch has at least one 4 KiB work unit per warp of the kernel (prefill), where the receivers'
+/// expansion of the peers' tokens would otherwise start only after the whole NVLink copy landed; push for small
+/// batches (decode), where the copy is short and a read over NVLink would add its latency to every unit.
+inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1) {
   Geometry g{};
   g.worldSize = c.worldSize;
   g.rank = c.rank;
@@ -87,6 +92,9 @@ inline Geometry makeGeometry(const Config& c, uint32_t blocks) {
   const uint64_t maxRoute = blocks / 4 > 0 ? blocks / 4 : 1;
   g.routeBlocks = static_cast<uint32_t>(passes < maxRoute ? passes : maxRoute);
   g.routeChunk = static_cast<uint32_t>(ceilDiv(passes, g.routeBlocks) * kThreads);
+  const uint64_t fullUnits = ceilDiv(c.hiddenDimBytes > 0 ? c.hiddenDimBytes : 1, 4096) * g.slotsPerSender;
+  const bool pull = pullMode >= 0 ? pullMode != 0 : fullUnits >= static_cast<uint64_t>(blocks) * kWarps;
+  g.pull = c.worldSize > 1 && pull ? 1 : 0;
   const uint64_t W = c.worldSize, Ts = g.slotsPerSender, K = c.expertsPerToken;
   uint64_t off = 0;
   g.offFlags = off;

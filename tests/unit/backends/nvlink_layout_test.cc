@@ -18,6 +18,19 @@ Config make(uint32_t tokens, uint32_t world, uint32_t k, uint32_t dp = 1) {
   return c;
 }
 
+TEST(NvlinkLayout, PullOnlyForLargeBatchesOnSeveralRanks) {
+  // Automatic: decode (128 tokens of 7 KB: 256 units of 4 KiB) pushes on 66 blocks (1056 warps); prefill (4096 tokens:
+  // 8192 units) pulls on 132 blocks; one rank never pulls.
+  EXPECT_EQ(nvlink::makeGeometry(make(128, 2, 8), 66).pull, 0u);
+  EXPECT_EQ(nvlink::makeGeometry(make(512, 2, 8), 66).pull, 0u);
+  EXPECT_EQ(nvlink::makeGeometry(make(4096, 2, 8), 132).pull, 1u);
+  EXPECT_EQ(nvlink::makeGeometry(make(4096, 1, 8), 132).pull, 0u);
+  // EPCOMM_NVLINK_PULL forces either mode (W > 1).
+  EXPECT_EQ(nvlink::makeGeometry(make(128, 2, 8), 66, 1).pull, 1u);
+  EXPECT_EQ(nvlink::makeGeometry(make(4096, 2, 8), 132, 0).pull, 0u);
+  EXPECT_EQ(nvlink::makeGeometry(make(128, 1, 8), 66, 1).pull, 0u);
+}
+
 TEST(NvlinkLayout, RoutingBlocksFollowTheTokenCount) {
   // Decode: one routing block; a 4096-token prefill on 132 blocks: 8 blocks of 512 tokens.
   EXPECT_EQ(nvlink::makeGeometry(make(128, 2, 8), 66).routeBlocks, 1u);
