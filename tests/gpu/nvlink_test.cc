@@ -136,6 +136,34 @@ TEST(NvlinkGpu, W2SplitAccumulate) {
   runAll(2, {s, f});
 }
 
+// Batches large enough for pull mode (a sender stages its tokens in its own region, receivers read them over NVLink;
+// nvlink::makeGeometry: at least one 4 KiB unit per warp): 16 KB tokens, 1300 per rank (650 slots with D = 2), so
+// 2600 units against 132 blocks x 16 warps. Packed with padding, D = 2, split + accumulate, masked, ragged, device
+// boundM.
+TEST(NvlinkGpu, W2PullLayouts) {
+  REQUIRE_GPUS(2);
+  std::vector<Scenario> list;
+  for (int v = 0; v < 3; ++v) {
+    Scenario s = base(2);
+    s.maxTokens = 1300;
+    s.experts = 32;
+    s.topK = 6;
+    s.hidden = 8192;
+    s.masked = true;
+    s.ragged = true;
+    s.deviceBound = v != 1;
+    s.layout = v == 0 ? Layout::kPacked : Layout::kBatched;
+    s.padding = v == 0 ? 16 : 1;
+    s.dp = v == 1 ? 2 : 1;
+    s.split = v == 2;
+    s.accumulate = v == 2;
+    s.rounds = 2;
+    s.seed = 500 + v;
+    list.push_back(s);
+  }
+  runAll(2, list);
+}
+
 // One rank fuses its calls while the other splits them, in the same rounds: the protocol does not depend on the
 // peer's choice. Decode-sized tokens, and a sender with many work units (its copy signalled in parts where the
 // backend does so).
