@@ -15,7 +15,8 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 BUILD=${BUILD:-build-perf}
 TOKENS=${TOKENS:-128}
-ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /usr/local/cuda*/nsight-compute*/ncu /opt/nvidia/nsight-compute/*/ncu \
+  2>/dev/null | head -1)
 if [ -z "$ncu" ]; then
   echo "ncu not found" >&2
   exit 2
