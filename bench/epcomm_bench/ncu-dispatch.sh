@@ -23,7 +23,8 @@ if [ -z "$ncu" ]; then
 fi
 # The fused kernel is dispatchKernel<true, true> (mangled ...dispatchKernelILb1ELb1E...); skip the warm-up launches.
 "$ncu" --target-processes all --clock-control none --kernel-name-base mangled \
-  --kernel-name regex:dispatchKernelILb1ELb1E --launch-skip 20 --launch-count 1 --set full --import-source yes \
+  --kernel-name regex:dispatchKernelILb1ELb1E --launch-skip 20 --launch-count 1 --set full \
+  --sampling-interval "${NCU_SAMPLING:-0}" --import-source yes \
   -f -o "$OUT/dispatch-w1" \
   "$BUILD/bench/epcomm_bench/epcomm-bench" --backend nvlink --world 1 --config decode --tokens "$TOKENS" \
   --iters 30 --warmup 5 >"$OUT/ncu-run.log" 2>&1
@@ -36,3 +37,4 @@ rep="$OUT/dispatch-w1.ncu-rep"
   --section InstructionStats >"$OUT/ncu-details.txt" 2>&1
 "$ncu" --import "$rep" --page source --csv --print-source sass >"$OUT/ncu-source-sass.csv" 2>&1
 grep -iE "stall|no instruction|long scoreboard|issued" "$OUT/ncu-details.txt" | head -30
+python3 "$(dirname "${BASH_SOURCE[0]}")/ncu-stalls.py" "$OUT/ncu-source-sass.csv"
