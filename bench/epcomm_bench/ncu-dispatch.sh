@@ -24,7 +24,7 @@ fi
 # The fused kernel is dispatchKernel<true, true> (mangled ...dispatchKernelILb1ELb1E...); skip the warm-up launches.
 "$ncu" --target-processes all --clock-control none --kernel-name-base mangled \
   --kernel-name regex:dispatchKernelILb1ELb1E --launch-skip 20 --launch-count 1 --set full \
-  --sampling-interval "${NCU_SAMPLING:-0}" --import-source yes \
+  --warp-sampling-interval "${NCU_SAMPLING:-0}" --import-source yes \
   -f -o "$OUT/dispatch-w1" \
   "$BUILD/bench/epcomm_bench/epcomm-bench" --backend nvlink --world 1 --config decode --tokens "$TOKENS" \
   --iters 30 --warmup 5 >"$OUT/ncu-run.log" 2>&1
