@@ -39,6 +39,17 @@ __device__ __forceinline__ void redAddRelaxedSys(uint64_t* addr, uint64_t v) {
   asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(addr), "l"(v) : "memory");
 }
 
+/// Relaxed (strong, single-copy atomic) 64-bit load and store at system scope: a value and a tag that travel in one
+/// 8-byte word are seen together, with no fence or flag (the data-with-flag pattern of NCCL's LL protocol).
+__device__ __forceinline__ uint64_t ldRelaxedSys(const uint64_t* addr) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void stRelaxedSys(uint64_t* addr, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(v) : "memory");
+}
+
 /// Full fence at system scope: orders this thread's (and, by cumulativity, what it observed through a CTA
 /// barrier) earlier memory operations before its later ones, as seen from peers and the host.
 __device__ __forceinline__ void fenceAcqRelSys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }

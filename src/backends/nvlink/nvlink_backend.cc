@@ -69,7 +69,7 @@ const char* phaseName(int32_t phase) {
     case nvlink::kPhaseDispatchRecv:
       return "dispatch-recv (waiting for the peer's tokens)";
     case nvlink::kPhaseCombineEnter:
-      return "combine-send (waiting for the peer to enter combine)";
+      return "combine-send (waiting for the peer to enter combine: its router weights)";
     case nvlink::kPhaseCombineRecv:
       return "combine-recv (waiting for the peer's expert outputs)";
     case nvlink::kPhaseBadIndex:
@@ -400,14 +400,14 @@ std::vector<PlannedBuffer> planNvlink(const Config& config) {
   auto add = [&](const char* name, const char* memory, uint64_t bytes, const std::string& note) {
     plan.push_back(PlannedBuffer{"nvlink", name, memory, bytes, note});
   };
-  add("flags", "device (peer-mapped)", g.offNumTokens - g.offFlags, "u64 [4][W] monotone counters");
+  add("flags", "device (peer-mapped)", g.offNumTokens - g.offFlags, "u64 [3][W] monotone counters");
   add("routing counts", "device (peer-mapped)", g.offRoute - g.offNumTokens, "i32 [W] + i32 [W][L]");
   add("routing entries", "device (peer-mapped)", g.offPayload - g.offRoute,
       "{le, pos} [W=" + std::to_string(W) + "][K/2=" + std::to_string((K + 1) / 2) + "][Ts=" + std::to_string(Ts) +
           "][2]");
   add("dispatch staging", "device (peer-mapped)", g.offWeights - g.offPayload,
       "[W][Ts][" + std::to_string(g.slotBytes) + " B: payload + scales]");
-  add("combine weights", "device (peer-mapped)", g.offPartials - g.offWeights, "f32 [W][Ts][K]");
+  add("combine weights", "device (peer-mapped)", g.offPartials - g.offWeights, "u64 [W][Ts][K] (f32 + round tag)");
   add("combine partials", "device (peer-mapped)", g.totalBytes - g.offPartials,
       "[W][T=" + std::to_string(config.maxNumTokens) + "][H*4 B]");
   add("round counters", "device", nvlink::roundCounterBytes(g), "u32 [4][blocks=" + std::to_string(g.blocks) + "]");

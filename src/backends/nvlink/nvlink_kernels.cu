@@ -22,8 +22,10 @@ using device::globalTimerNs;
 using device::laneMaskLt;
 using device::ldAcquireSys;
 using device::ldGlobalNc16;
+using device::ldRelaxedSys;
 using device::redAddRelaxedSys;
 using device::st16;
+using device::stRelaxedSys;
 
 // 16-byte vectors per lane held in registers by one copy step (8 x 16 B x 32 lanes = 4 KiB in flight per warp).
 constexpr int kUnroll = 8;
@@ -32,9 +34,8 @@ constexpr int kChunkU = 4;
 
 // Flag arrays (index `which` of flagPtr), see nvlink_layout.hpp.
 constexpr int kFlagDispatch = 0;
-constexpr int kFlagCombineEnter = 1;
-constexpr int kFlagCombineDone = 2;
-constexpr int kFlagRoute = 3;
+constexpr int kFlagCombineDone = 1;
+constexpr int kFlagRoute = 2;
 
 __device__ __forceinline__ uint64_t* flagPtr(char* base, const Geometry& g, int which, uint32_t sender) {
   return reinterpret_cast<uint64_t*>(base + g.offFlags) + which * g.worldSize + sender;
@@ -713,10 +714,9 @@ __device__ __forceinline__ void storeF(T* p, const float* in) {
   *reinterpret_cast<Vec<T, N>*>(p) = x;
 }
 
-// Send half of combine. Block 0 first pushes this rank's router weights to every rank and signals "entered combine";
-// every block then waits for all ranks to have entered (their weights are here and they finished reading the
-// partials of the previous round), sums its experts' weighted outputs per token in fp32 and sends one partial per
-// (token, DP-group rank).
+// Send half of combine. The routing blocks first push this rank's router weights to every other rank (tagged with the
+// round); every block then sums its experts' weighted outputs per token in fp32 (a peer's token once that peer's
+// weights for it carry this round's tag) and sends one partial per (token, DP-group rank).
 // Which senders' tokens one call of combineSendBody handles.
 enum CombineSenders : int {
   kAllSenders = 0,
@@ -724,21 +724,43 @@ enum CombineSenders : int {
   kOtherSenders = 2,  // every other sender's tokens (after the entry barrier)
 };
 
+// A peer's router weight for (sender s, slot j, k), pushed at the start of its combine-send `round`: spins until
+// the word carries that round's tag. False on timeout (recorded) or when another wait failed.
+__device__ bool waitWeight(const uint64_t* word, uint32_t round, const DeviceState& st, int32_t rank, int32_t peer,
+                           float& w) {
+  const uint64_t start = globalTimerNs();
+  for (uint32_t i = 1;; ++i) {
+    const uint64_t v = ldRelaxedSys(word);
+    if (static_cast<uint32_t>(v >> 32) == round) {
+      w = __uint_as_float(static_cast<uint32_t>(v));
+      return true;
+    }
+    if ((i & 255) == 0) {
+      if (aborted(st)) return false;
+      if (globalTimerNs() - start > st.timeoutNs) {
+        recordError(st, kPhaseCombineEnter, rank, peer, static_cast<int64_t>(v >> 32), round);
+        return false;
+      }
+    }
+  }
+}
+
+// Returns false (in every lane) when a peer's weights never arrived (recorded); the caller then skips its signal.
 template <typename PT, int N>
-__device__ void combineSendBody(const CombineKernelArgs& a, const RowTables& rt, int senders) {
+__device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt, int senders, uint32_t round) {
   const Geometry& g = a.g;
   char* local = a.peers[g.rank];
   const uint32_t L = g.numLocalExperts, K = g.topK, W = g.worldSize, Ts = g.slotsPerSender, D = g.dpSize;
   const int32_t* numTokens = reinterpret_cast<const int32_t*>(local + g.offNumTokens);
   const RouteEntry* route = reinterpret_cast<const RouteEntry*>(local + g.offRoute);
-  const float* weights = reinterpret_cast<const float*>(local + g.offWeights);
+  const uint64_t* weights = reinterpret_cast<const uint64_t*>(local + g.offWeights);
   const PT* y = reinterpret_cast<const PT*>(a.y);
   const uint32_t lane = threadIdx.x % 32;
   // The own tokens' pass leaves the R routing blocks out: they push the weights first, and with an equal share of the
   // own tokens they finished that pass ~3.5 us after the others (trace, decode T = 128), then carried the same share
   // of the peers' tokens, and every rank's combine-recv waits for the last block's done signal.
   const uint32_t first = senders == kOwnSender && gridDim.x > g.routeBlocks ? g.routeBlocks : 0;
-  if (blockIdx.x < first) return;
+  if (blockIdx.x < first) return true;
   const uint32_t warpId = spreadWarp(blockIdx.x - first, gridDim.x - first), numWarps = (gridDim.x - first) * kWarps;
   const uint32_t units = g.hiddenDim / N;
   // NOTE: one work unit = one token and one chunk of kChunkU units per lane, so a warp keeps kChunkU independent
@@ -763,6 +785,7 @@ __device__ void combineSendBody(const CombineKernelArgs& a, const RowTables& rt,
     int64_t yOff[2] = {-1, -1};
     float w[2] = {0.f, 0.f};
     uint32_t valid[2] = {0, 0};
+    bool ok = true;
     for (uint32_t h = 0; h < 2; ++h) {
       const uint32_t k = h * 32 + lane;
       if (k < K) {
@@ -771,14 +794,19 @@ __device__ void combineSendBody(const CombineKernelArgs& a, const RowTables& rt,
           const int32_t le = e.le & ~kDupBit;
           const int64_t idx = rt.rowBase[le] + rt.senderBase[s * L + le] + e.pos;
           yOff[h] = le * a.yExpertStride + idx * a.yRowStride;
-          // Own tokens: the caller's weights (the pushed copy may not be written yet in the kOwnSender pass).
-          w[h] = s == g.rank ? a.weights[static_cast<int64_t>(t) * a.weightStrides[0] +
-                                         static_cast<int64_t>(k) * a.weightStrides[1]]
-                             : weights[(static_cast<uint64_t>(s) * Ts + j) * K + k];
+          // Own tokens: the caller's weights. A peer's: its pushed copy, tagged with its round (no entry barrier).
+          if (s == g.rank) {
+            w[h] = a.weights[static_cast<int64_t>(t) * a.weightStrides[0] +
+                             static_cast<int64_t>(k) * a.weightStrides[1]];
+          } else {
+            ok = waitWeight(weights + (static_cast<uint64_t>(s) * Ts + j) * K + k, round, a.st,
+                            static_cast<int32_t>(g.rank), static_cast<int32_t>(s), w[h]);
+          }
         }
       }
       valid[h] = __ballot_sync(0xffffffffu, yOff[h] >= 0);
     }
+    if (!__all_sync(0xffffffffu, ok)) return false;
     if ((valid[0] | valid[1]) == 0) continue;
     // Shuffles are warp-uniform; lanes past the row end only skip memory accesses.
     float acc[kChunkU][N];
@@ -816,6 +844,7 @@ __device__ void combineSendBody(const CombineKernelArgs& a, const RowTables& rt,
       }
     }
   }
+  return true;
 }
 
 template <typename PT, typename OT, int N>
@@ -915,9 +944,9 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(const CombineKernel
     const uint32_t R = g.routeBlocks;
     if (blockIdx.x < R) {
       // The first R blocks (as many as route a dispatch: 1 for decode, 8 for a 4096-token prefill, whose weights are
-      // 256 KB per rank) push this rank's router weights [n, K] to every rank, then signal "entered combine". Not
-      // every block: B increments of one remote flag word would contend (tried once, in a build that also carried a
-      // local-memory regression, so that cost was not separated; see docs/nvlink.md).
+      // 256 KB per rank) push this rank's router weights [n, K] to every other rank, each word tagged with this
+      // round: a receiver waits for the words it needs, not for a flag, so there is no fence here and no entry
+      // barrier (docs/nvlink.md, "combine without an entry barrier" for why buffer reuse needs none).
       const uint32_t n = numTokensSentBy(g.rank, effectiveBound(a.boundM, a.mSend), g.dpSize);
       const uint32_t K = g.topK;
       for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n * K; i += R * blockDim.x) {
@@ -925,35 +954,30 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(const CombineKernel
         const uint32_t t = j * g.dpSize + g.rank % g.dpSize;
         const float w =
             a.weights[static_cast<int64_t>(t) * a.weightStrides[0] + static_cast<int64_t>(k) * a.weightStrides[1]];
-        const uint64_t off = g.offWeights + ((static_cast<uint64_t>(g.rank) * g.slotsPerSender + j) * K + k) * 4;
-        for (uint32_t d = 0; d < g.worldSize; ++d) *reinterpret_cast<float*>(a.peers[d] + off) = w;
+        const uint64_t word = (static_cast<uint64_t>(seq) << 32) | __float_as_uint(w);
+        const uint64_t off = g.offWeights + ((static_cast<uint64_t>(g.rank) * g.slotsPerSender + j) * K + k) * 8;
+        for (uint32_t d = 0; d < g.worldSize; ++d) {
+          if (d != g.rank) stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[d] + off), word);
+        }
       }
-      signalAllRanks(a.peers, g, kFlagCombineEnter);
       tracePoint(a.st, kTrRouted);
     }
     const RowTables rt = computeRows(a.peers[g.rank], g, smem, a.packed != 0, a.padding);
     tracePoint(a.st, kTrRows);
     // With D == 1 this rank's own tokens have their partials here, on this rank, read only by its own combine-recv
-    // (earlier on this stream): they need neither the peers' weights nor their "entered" signal, so they are summed
-    // before the entry barrier and hide it.
+    // (earlier on this stream), and their weights are the caller's: they are summed first, while the peers'
+    // weights travel.
     const bool ownFirst = g.dpSize == 1 && g.worldSize > 1;
+    bool ok = true;
     if (ownFirst) {
-      if (wide) {
-        combineSendBody<PT, 8>(a, rt, kOwnSender);
-      } else {
-        combineSendBody<PT, 4>(a, rt, kOwnSender);
-      }
-    }
-    if (!waitAllRanks(a.peers[g.rank], g, kFlagCombineEnter, static_cast<uint64_t>(seq) * R, a.st,
-                      kPhaseCombineEnter)) {
-      return;
+      ok = wide ? combineSendBody<PT, 8>(a, rt, kOwnSender, seq) : combineSendBody<PT, 4>(a, rt, kOwnSender, seq);
     }
     tracePoint(a.st, kTrRoutesIn);
-    if (wide) {
-      combineSendBody<PT, 8>(a, rt, ownFirst ? kOtherSenders : kAllSenders);
-    } else {
-      combineSendBody<PT, 4>(a, rt, ownFirst ? kOtherSenders : kAllSenders);
+    if (ok) {
+      const int senders = ownFirst ? kOtherSenders : kAllSenders;
+      ok = wide ? combineSendBody<PT, 8>(a, rt, senders, seq) : combineSendBody<PT, 4>(a, rt, senders, seq);
     }
+    if (__syncthreads_and(ok ? 1 : 0) == 0) return;
     tracePoint(a.st, kTrStored);
     signalAllRanks(a.peers, g, kFlagCombineDone);
     tracePoint(a.st, kTrSignalled);

@@ -25,8 +25,8 @@ struct RouteEntry {
 };
 constexpr int32_t kDupBit = 0x40000000;
 
-/// Flag arrays per region (see Geometry): dispatch, combine-enter, combine-done, route.
-constexpr uint32_t kNumFlags = 4;
+/// Flag arrays per region (see Geometry): dispatch, combine-done, route.
+constexpr uint32_t kNumFlags = 3;
 
 /// Byte offsets and sizes inside one rank's peer-mapped region. All offsets are 256-byte aligned.
 ///
@@ -38,7 +38,8 @@ constexpr uint32_t kNumFlags = 4;
 ///   route       RouteEntry [W][K/2][Ts][2]  per sent token: its K entries as seen from this rank (see routeIndex)
 ///   payload     u8 [W][Ts][slotBytes]   token bytes then scales, slot = token index / D (pull: a sender stages
 ///                                       its own tokens in slots [rank][*] of its own region, read by receivers)
-///   weights     f32 [W][Ts][K]          router weights pushed by the token's sender at combine start
+///   weights     u64 [W][Ts][K]          router weights pushed by the token's sender at combine start, each
+///                                       tagged with the sender's combine round (round << 32 | f32 bits)
 ///   partials    u8 [W][T][partialBytes] per expert rank e: sum over e's experts of w * y for token t
 struct Geometry {
   uint32_t worldSize, rank, dpSize, numExperts, numLocalExperts, topK;
@@ -108,7 +109,7 @@ inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1
   g.offPayload = off;
   off = align256(off + W * Ts * g.slotBytes);
   g.offWeights = off;
-  off = align256(off + W * Ts * K * sizeof(float));
+  off = align256(off + W * Ts * K * sizeof(uint64_t));
   g.offPartials = off;
   off = align256(off + W * static_cast<uint64_t>(c.maxNumTokens) * g.partialBytes);
   g.totalBytes = off;
