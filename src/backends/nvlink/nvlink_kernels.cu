@@ -796,8 +796,8 @@ __device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt,
           yOff[h] = le * a.yExpertStride + idx * a.yRowStride;
           // Own tokens: the caller's weights. A peer's: its pushed copy, tagged with its round (no entry barrier).
           if (s == g.rank) {
-            w[h] = a.weights[static_cast<int64_t>(t) * a.weightStrides[0] +
-                             static_cast<int64_t>(k) * a.weightStrides[1]];
+            w[h] =
+                a.weights[static_cast<int64_t>(t) * a.weightStrides[0] + static_cast<int64_t>(k) * a.weightStrides[1]];
           } else {
             ok = waitWeight(weights + (static_cast<uint64_t>(s) * Ts + j) * K + k, round, a.st,
                             static_cast<int32_t>(g.rank), static_cast<int32_t>(s), w[h]);
