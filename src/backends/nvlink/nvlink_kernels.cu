@@ -721,7 +721,7 @@ __device__ __forceinline__ void storeF(T* p, const float* in) {
 enum CombineSenders : int {
   kAllSenders = 0,
   kOwnSender = 1,     // this rank's own tokens: its weights are in `a.weights`, its partial stays here (D == 1)
-  kOtherSenders = 2,  // every other sender's tokens (after the entry barrier)
+  kOtherSenders = 2,  // every other sender's tokens (their weights pushed by their senders, tagged)
 };
 
 // A peer's router weight for (sender s, slot j, k), pushed at the start of its combine-send `round`: spins until
@@ -747,7 +747,8 @@ __device__ bool waitWeight(const uint64_t* word, uint32_t round, const DeviceSta
 
 // Returns false (in every lane) when a peer's weights never arrived (recorded); the caller then skips its signal.
 template <typename PT, int N>
-__device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt, int senders, uint32_t round) {
+__device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt, int senders, uint32_t round,
+                                uint32_t warpId, uint32_t numWarps) {
   const Geometry& g = a.g;
   char* local = a.peers[g.rank];
   const uint32_t L = g.numLocalExperts, K = g.topK, W = g.worldSize, Ts = g.slotsPerSender, D = g.dpSize;
@@ -756,12 +757,6 @@ __device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt,
   const uint64_t* weights = reinterpret_cast<const uint64_t*>(local + g.offWeights);
   const PT* y = reinterpret_cast<const PT*>(a.y);
   const uint32_t lane = threadIdx.x % 32;
-  // The own tokens' pass leaves the R routing blocks out: they push the weights first, and with an equal share of the
-  // own tokens they finished that pass ~3.5 us after the others (trace, decode T = 128), then carried the same share
-  // of the peers' tokens, and every rank's combine-recv waits for the last block's done signal.
-  const uint32_t first = senders == kOwnSender && gridDim.x > g.routeBlocks ? g.routeBlocks : 0;
-  if (blockIdx.x < first) return true;
-  const uint32_t warpId = spreadWarp(blockIdx.x - first, gridDim.x - first), numWarps = (gridDim.x - first) * kWarps;
   const uint32_t units = g.hiddenDim / N;
   // NOTE: one work unit = one token and one chunk of kChunkU units per lane, so a warp keeps kChunkU independent
   // loads in flight per expert row and the rows of one token spread over several warps (a warp walking a whole
@@ -965,18 +960,30 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(const CombineKernel
     const RowTables rt = computeRows(a.peers[g.rank], g, smem, a.packed != 0, a.padding);
     tracePoint(a.st, kTrRows);
     // With D == 1 this rank's own tokens have their partials here, on this rank, read only by its own combine-recv
-    // (earlier on this stream), and their weights are the caller's: they are summed first, while the peers'
-    // weights travel.
-    const bool ownFirst = g.dpSize == 1 && g.worldSize > 1;
+    // (earlier on this stream), and their weights are the caller's. Two warp groups then run at once: warps
+    // [0, ownWarps) sum the own tokens (local HBM only), the others the peers' tokens (their partials cross NVLink),
+    // so the link is busy from the first peer weight on instead of after the own pass (which left it idle: decode
+    // T = 128, own pass to 3.2-6.8 us, then the peers' partials stored by 7.6-12.1). Work splits by token count:
+    // 1 / W of the warps for the own tokens. The R routing blocks, which pushed the weights, leave the own pass out
+    // (with an equal share they finished it last; trace of session 4).
+    auto body = [&](int senders, uint32_t warpId, uint32_t numWarps) {
+      return wide ? combineSendBody<PT, 8>(a, rt, senders, seq, warpId, numWarps)
+                  : combineSendBody<PT, 4>(a, rt, senders, seq, warpId, numWarps);
+    };
     bool ok = true;
-    if (ownFirst) {
-      ok = wide ? combineSendBody<PT, 8>(a, rt, kOwnSender, seq) : combineSendBody<PT, 4>(a, rt, kOwnSender, seq);
+    if (g.dpSize == 1 && g.worldSize > 1) {
+      const uint32_t ownWarps = max(1u, kWarps / g.worldSize), warp = threadIdx.x / 32;
+      const uint32_t first = B > R ? R : 0;
+      if (warp < ownWarps) {
+        if (blockIdx.x >= first)
+          ok = body(kOwnSender, warp * (B - first) + (blockIdx.x - first), (B - first) * ownWarps);
+      } else {
+        ok = body(kOtherSenders, (warp - ownWarps) * B + blockIdx.x, B * (kWarps - ownWarps));
+      }
+    } else {
+      ok = body(kAllSenders, spreadWarp(blockIdx.x, B), B * kWarps);
     }
     tracePoint(a.st, kTrRoutesIn);
-    if (ok) {
-      const int senders = ownFirst ? kOtherSenders : kAllSenders;
-      ok = wide ? combineSendBody<PT, 8>(a, rt, senders, seq) : combineSendBody<PT, 4>(a, rt, senders, seq);
-    }
     if (__syncthreads_and(ok ? 1 : 0) == 0) return;
     tracePoint(a.st, kTrStored);
     signalAllRanks(a.peers, g, kFlagCombineDone);
