@@ -73,9 +73,13 @@ __device__ void recordError(const DeviceState& st, int32_t phase, int32_t rank, 
   __threadfence_system();
 }
 
-// Spins until *flag >= expected; on timeout records (phase, peer) and returns false. Never traps.
+// Spins until *flag >= expected; on timeout records (phase, peer) and returns false. Never traps. `patience`: the
+// timeout in units of EPCOMM_TIMEOUT_MS. A wait on this rank's own blocks passes 2: when they are late, they are
+// themselves waiting for a peer, and their wait, which times out first, is the error worth reporting (it names the
+// peer). Without that the two timed out together and either could be recorded first (a fused combine-recv named
+// its own rank when the peer never entered combine).
 __device__ bool waitFlag(const uint64_t* flag, uint64_t expected, const DeviceState& st, int32_t phase, int32_t rank,
-                         int32_t peer) {
+                         int32_t peer, uint32_t patience = 1) {
   if (ldAcquireSys(flag) >= expected) return true;
   const uint64_t start = globalTimerNs();
   for (uint32_t i = 1;; ++i) {
@@ -83,12 +87,17 @@ __device__ bool waitFlag(const uint64_t* flag, uint64_t expected, const DeviceSt
     if (v >= expected) return true;
     if ((i & 255) == 0) {
       if (aborted(st)) return false;
-      if (globalTimerNs() - start > st.timeoutNs) {
+      if (globalTimerNs() - start > patience * st.timeoutNs) {
         recordError(st, phase, rank, peer, static_cast<int64_t>(v), static_cast<int64_t>(expected));
         return false;
       }
     }
   }
+}
+
+// The patience of a wait on flag `which` of rank `peer` (see waitFlag).
+__device__ __forceinline__ uint32_t patienceFor(const Geometry& g, uint32_t peer) {
+  return peer == g.rank && g.worldSize > 1 ? 2 : 1;
 }
 
 // Block-wide: waits until flag `which` from every rank reached `expected`. Returns false (in every thread) if any
@@ -98,7 +107,7 @@ __device__ bool waitAllRanks(char* local, const Geometry& g, int which, uint64_t
   bool ok = true;
   if (threadIdx.x < g.worldSize) {
     ok = waitFlag(flagPtr(local, g, which, threadIdx.x), expected, st, phase, static_cast<int32_t>(g.rank),
-                  static_cast<int32_t>(threadIdx.x));
+                  static_cast<int32_t>(threadIdx.x), patienceFor(g, threadIdx.x));
   }
   return __syncthreads_and(ok ? 1 : 0) != 0;
 }
@@ -509,7 +518,7 @@ __device__ bool waitRanks(char* local, const Geometry& g, int which, uint32_t ma
   bool ok = true;
   if (threadIdx.x < g.worldSize && ((mask >> threadIdx.x) & 1)) {
     ok = waitFlag(flagPtr(local, g, which, threadIdx.x), expected, st, phase, static_cast<int32_t>(g.rank),
-                  static_cast<int32_t>(threadIdx.x));
+                  static_cast<int32_t>(threadIdx.x), patienceFor(g, threadIdx.x));
   }
   return __syncthreads_and(ok ? 1 : 0) != 0;
 }
