@@ -85,7 +85,8 @@ struct Options {
   std::string json;
   std::string rev;
   std::string barrier = "shm";
-  bool floor = false;  // --floor: also time an empty launch and a one-flag exchange (the method's floor)
+  bool floor = false;      // --floor: also time an empty launch and a one-flag exchange (the method's floor)
+  uint32_t maxTokens = 0;  // --max-tokens: the object's capacity (maxNumTokens) when above T, as engines size it
   // Given on the command line (else the host backend substitutes its own defaults, see applyHostDefaults).
   bool configsSet = false, tokensSet = false, itersSet = false, warmupSet = false;
 };
@@ -148,10 +149,13 @@ Options parse(int argc, char** argv) {
                    "--barrier must be shm or tcp, got '" << o.barrier << "'");
     } else if (a == "--floor") {
       o.floor = true;
+    } else if (a == "--max-tokens") {
+      o.maxTokens = static_cast<uint32_t>(std::stoul(next()));
     } else if (a == "-h" || a == "--help") {
       std::cout << "epcomm-bench [--backend nvlink|host|auto] [--world W] [--config decode,prefill,small,qwen3]\n"
                    "             [--tokens 1,8,32,128,512,4096] [--iters 200] [--warmup 20] [--dp 1]\n"
-                   "             [--json out.jsonl] [--rev GIT_REV] [--barrier shm|tcp] [--floor]\n"
+                   "             [--json out.jsonl] [--rev GIT_REV] [--barrier shm|tcp] [--floor] [--max-tokens N]\n"
+                   "  --max-tokens: create each object for max(T, N) tokens (an engine's capacity) and send T\n"
                    "  --floor: also time, with the same method, an empty kernel and a one-flag exchange between\n"
                    "  ranks (half the SMs' blocks of 512 threads, as the library launches): the floor of the method;\n"
                    "  and one thread's 8 x 16-byte stores into the peer's and into the own memory (in-kernel time)\n"
@@ -513,7 +517,7 @@ class Bench {
       if (trace) std::fprintf(stderr, "[rank %d] %s T=%u: %s\n", rank_, name.c_str(), T, what);
     };
     Config c = standardConfig(name, world_, rank_, o_.dp);
-    c.maxNumTokens = T;
+    c.maxNumTokens = std::max(T, o_.maxTokens);
     if (hostMode_ && !hostFits(name, c)) return;
     std::unique_ptr<AllToAll> a2a;
     try {
@@ -842,9 +846,12 @@ class Bench {
 
   void printHeader() {
     const int blocks = env().nvlinkBlocks;
-    std::printf("# epcomm-bench  backend=%s world=%d dp=%d iters=%d warmup=%d barrier=%s blocks=%s rev=%s machine=%s\n",
-                o_.backend.c_str(), world_, o_.dp, o_.iters, o_.warmup, shm_ != nullptr ? o_.barrier.c_str() : "tcp",
-                blocks > 0 ? std::to_string(blocks).c_str() : "auto", gitRev(o_).c_str(), machine_.c_str());
+    std::printf(
+        "# epcomm-bench  backend=%s world=%d dp=%d iters=%d warmup=%d barrier=%s blocks=%s max-tokens=%s rev=%s "
+        "machine=%s\n",
+        o_.backend.c_str(), world_, o_.dp, o_.iters, o_.warmup, shm_ != nullptr ? o_.barrier.c_str() : "tcp",
+        blocks > 0 ? std::to_string(blocks).c_str() : "auto",
+        o_.maxTokens > 0 ? std::to_string(o_.maxTokens).c_str() : "T", gitRev(o_).c_str(), machine_.c_str());
     std::printf(
         "# times in us (median, max over ranks); GB/s = cross-rank payload bytes per rank per direction / time\n");
     if (hostMode_) {
@@ -876,7 +883,7 @@ class Bench {
     std::time_t now = std::time(nullptr);
     std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
     f << "{\"backend\":\"" << backend << "\",\"world\":" << world_ << ",\"dp\":" << c.dpSize << ",\"config\":\"" << name
-      << "\",\"tokens\":" << T << ",\"graph\":" << (isGraph ? "true" : "false")
+      << "\",\"tokens\":" << T << ",\"max_tokens\":" << c.maxNumTokens << ",\"graph\":" << (isGraph ? "true" : "false")
       << ",\"dispatch_us\":" << jnum(m.dispatch) << ",\"combine_us\":" << jnum(m.combine)
       << ",\"dispatch_send_us\":" << jnum(isGraph ? -1 : m.dSend)
       << ",\"dispatch_recv_us\":" << jnum(isGraph ? -1 : m.dRecv)
