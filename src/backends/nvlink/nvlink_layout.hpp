@@ -30,7 +30,7 @@ constexpr uint32_t kNumFlags = 3;
 
 /// Byte offsets and sizes inside one rank's peer-mapped region. All offsets are 256-byte aligned.
 ///
-///   flags       u64 dispatchFlag[W], combineEnterFlag[W], combineDoneFlag[W], routeFlag[W]
+///   flags       u64 dispatchFlag[W], combineDoneFlag[W], routeFlag[W]
 ///               (monotone counters, never reset; routeFlag: one increment per round when the sender's routing
 ///               entries and counts are in place)
 ///   numTokens   i32 [W]                 tokens sender s sent this round (its n_s)
