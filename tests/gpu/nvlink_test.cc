@@ -426,7 +426,8 @@ TEST(NvlinkGpu, W2PeerNeverEntersCombineTimesOut) {
 }
 
 // Calls out of order are refused before anything is launched, and the object stays usable: combine before any
-// dispatch, a receive half without its send half, a second dispatch before the combine.
+// dispatch, a receive half without its send half, a second dispatch before the combine, combine weights with fewer
+// rows than the dispatch had tokens.
 TEST(NvlinkGpu, W1CallsOutOfOrderAreRefused) {
   REQUIRE_GPUS(1);
   test::RunResult result = test::runRanks(
@@ -451,6 +452,12 @@ TEST(NvlinkGpu, W1CallsOutOfOrderAreRefused) {
         refused([&] { a2a->dispatch(recvOnly); }, "dispatch receive while the object is 'idle'");
         a2a->dispatch(dev.dispatch);
         refused([&] { a2a->dispatch(dev.dispatch); }, "combine the last dispatch first");
+        // The peers wait for the weights of every dispatched token (tagged words): fewer rows than m are refused.
+        CombineArgs fewWeights = dev.combine;
+        fewWeights.doRecv = false;
+        ASSERT_GT(fewWeights.weights.shape[0], 0);
+        fewWeights.weights.shape[0] -= 1;
+        refused([&] { a2a->combine(fewWeights); }, "fewer than the m");
         a2a->combine(dev.combine);
         a2a->synchronize();
         EXPECT_EQ(o.round.check(rank, dev), "");

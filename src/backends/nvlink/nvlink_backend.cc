@@ -218,6 +218,7 @@ class NvlinkAllToAll final : public AllToAll {
       k.indexStrides[1] = c.indexStrides[1];
       k.m = c.m;
       k.boundM = a.boundM;
+      dispatchedM_ = c.m;
     }
     if (a.doRecv) {
       k.outNumTokens = static_cast<int32_t*>(a.outExpertNumTokens.data);
@@ -260,6 +261,11 @@ class NvlinkAllToAll final : public AllToAll {
       EPCOMM_CHECK(w.ndim == 2 && w.dtype == DType::kF32 && w.shape[1] == config_.expertsPerToken &&
                        w.shape[0] <= config_.maxNumTokens && w.strides[0] >= 0 && w.strides[1] >= 0,
                    kInvalidArgument, "weights must be fp32 [m <= maxNumTokens, K], got " << w.toString());
+      // The peers wait for the weights of every token this rank dispatched (tagged words, no flag): fewer rows would
+      // leave them waiting until the timeout.
+      EPCOMM_CHECK(static_cast<uint32_t>(w.shape[0]) >= dispatchedM_, kInvalidArgument,
+                   "rank " << config_.rank << ": combine weights have " << w.shape[0]
+                           << " rows, fewer than the m = " << dispatchedM_ << " tokens this rank dispatched");
       k.y = static_cast<const uint8_t*>(a.expertY.data);
       k.yExpertStride = c.yExpertStride;
       k.yRowStride = c.yRowStride;
@@ -367,6 +373,7 @@ class NvlinkAllToAll final : public AllToAll {
   /// Dispatch and combine alternate. A dispatch may not repeat without a combine: its send half would overwrite the
   /// peers' staging and routes while they may still be reading the last round's (the combine is the barrier).
   CallOrder order_{"nvlink", config_.rank, false};
+  uint32_t dispatchedM_ = 0;  // m of the last dispatch send half (combine's weights must cover it)
   nvlink::PhaseTrace trace_;
   std::string failed_;
   ErrorCode failedCode_ = ErrorCode::kInternal;
