@@ -4,6 +4,9 @@
 # which ncu shows as "No Instruction" stalls, against "Long Scoreboard" for memory).
 #
 #   BUILD=build-prof bash bench/epcomm_bench/ncu-dispatch.sh     (writes $OUT/dispatch-w1.ncu-rep and text pages)
+#   KERNEL=combine ...      the fused combine kernel instead (writes $OUT/combine-w1.ncu-rep)
+#   NCU_CACHE=none ...      keep caches between ncu's replays (default all: flushed, so cold-start stalls, the
+#                           instruction fetch included, are an upper bound; none gives the lower one)
 #
 # W = 1 (one GPU): ncu replays a kernel to collect its sections, restoring device memory in between, and a W = 2
 # kernel would wait in each replay for a peer that is not replaying. At W = 1 the routing block runs the same pass
@@ -15,22 +18,31 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 BUILD=${BUILD:-build-perf}
 TOKENS=${TOKENS:-128}
+KERNEL=${KERNEL:-dispatch}
+case "$KERNEL" in
+  dispatch | combine) ;;
+  *)
+    echo "KERNEL must be dispatch or combine, got '$KERNEL'" >&2
+    exit 2
+    ;;
+esac
 ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /usr/local/cuda*/nsight-compute*/ncu /opt/nvidia/nsight-compute/*/ncu \
   2>/dev/null | head -1)
 if [ -z "$ncu" ]; then
   echo "ncu not found" >&2
   exit 2
 fi
-# The fused kernel is dispatchKernel<true, true> (mangled ...dispatchKernelILb1ELb1E...); skip the warm-up launches.
-"$ncu" --target-processes all --clock-control none --kernel-name-base mangled \
-  --kernel-name regex:dispatchKernelILb1ELb1E --launch-skip 20 --launch-count 1 --set full \
+# The fused kernels are dispatchKernel<true, true> and combineKernel<true, true, ...> (mangled
+# ...KernelILb1ELb1E...); skip the warm-up launches.
+"$ncu" --target-processes all --clock-control none --cache-control "${NCU_CACHE:-all}" --kernel-name-base mangled \
+  --kernel-name "regex:${KERNEL}KernelILb1ELb1E" --launch-skip 20 --launch-count 1 --set full \
   --warp-sampling-interval "${NCU_SAMPLING:-0}" --import-source yes \
-  -f -o "$OUT/dispatch-w1" \
+  -f -o "$OUT/$KERNEL-w1" \
   "$BUILD/bench/epcomm_bench/epcomm-bench" --backend nvlink --world 1 --config decode --tokens "$TOKENS" \
   --iters 30 --warmup 5 >"$OUT/ncu-run.log" 2>&1
 echo "ncu rc=$? ($(grep -c '==PROF==' "$OUT/ncu-run.log") profiler lines)"
 tail -3 "$OUT/ncu-run.log"
-rep="$OUT/dispatch-w1.ncu-rep"
+rep="$OUT/$KERNEL-w1.ncu-rep"
 [ -f "$rep" ] || exit 1
 # Whole-kernel stall reasons, then per-instruction samples (the routing pass is the code only block 0 runs).
 "$ncu" --import "$rep" --page details --section WarpStateStats --section SchedulerStats --section LaunchStats \
