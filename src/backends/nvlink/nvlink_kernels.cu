@@ -145,12 +145,33 @@ struct RowTables {
   int32_t* senderBase;  // [W][L]
   int32_t* total;       // [L]
   int32_t* rowBase;     // [L]
+  int32_t* tokens;      // [W]: tokens each sender sent this round (its n_s)
 };
+
+// Work items over the tokens that were actually sent (sum of n_s, not W x Ts slots: an engine sizes maxNumTokens
+// for its largest batch and decodes far fewer): item -> (sender s, its token j). `skip`: a sender left out (the own
+// rank for the peers' share), or W for none.
+__device__ __forceinline__ uint32_t sentTokens(const RowTables& rt, uint32_t W, uint32_t skip) {
+  uint32_t n = 0;
+  for (uint32_t s = 0; s < W; ++s) n += s == skip ? 0 : static_cast<uint32_t>(rt.tokens[s]);
+  return n;
+}
+__device__ __forceinline__ void sentItem(const RowTables& rt, uint32_t W, uint32_t skip, uint32_t item, uint32_t& s,
+                                         uint32_t& j) {
+  j = item;
+  for (s = 0; s + 1 < W; ++s) {
+    const uint32_t n = s == skip ? 0 : static_cast<uint32_t>(rt.tokens[s]);
+    if (j < n) return;
+    j -= n;
+  }
+}
 
 __device__ RowTables computeRows(char* local, const Geometry& g, int32_t* smem, bool packed, uint32_t padding) {
   const uint32_t W = g.worldSize, L = g.numLocalExperts;
-  RowTables rt{smem, smem + W * L, smem + (W + 1) * L};
+  RowTables rt{smem, smem + W * L, smem + (W + 1) * L, smem + (W + 2) * L};
   const int32_t* counts = reinterpret_cast<const int32_t*>(local + g.offCounts);
+  const int32_t* numTokens = reinterpret_cast<const int32_t*>(local + g.offNumTokens);
+  if (threadIdx.x < W) rt.tokens[threadIdx.x] = numTokens[threadIdx.x];
   for (uint32_t le = threadIdx.x; le < L; le += blockDim.x) {
     int32_t acc = 0;
     for (uint32_t s = 0; s < W; ++s) {
@@ -427,23 +448,23 @@ enum ExpandMode : int {
 };
 
 // Expands received tokens into their expert rows (HBM to HBM, local). Work unit = (sender, token, piece) as in
-// dispatchPayload; the unit's loads (token count, routing entries, payload vectors, scales) are issued together
-// before its stores. `nOwn`: this rank's token count (kExpandOwn).
+// dispatchPayload, over the tokens actually sent (rt.tokens); the unit's loads (routing entries, payload vectors,
+// scales) are issued together before its stores. `nOwn`: this rank's token count (kExpandOwn).
 __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, int mode, uint32_t nOwn, uint32_t warpId,
                              uint32_t numWarps) {
   const Geometry& g = a.g;
   char* local = a.peers[g.rank];
   const uint32_t L = g.numLocalExperts, K = g.topK, W = g.worldSize, Ts = g.slotsPerSender, D = g.dpSize;
-  const int32_t* numTokens = reinterpret_cast<const int32_t*>(local + g.offNumTokens);
   const RouteEntry* route = reinterpret_cast<const RouteEntry*>(local + g.offRoute);
   const uint32_t lane = threadIdx.x % 32;
   const uint32_t units = g.hiddenBytes / 16, scaleWords = g.scaleBytes / 4;
   const uint32_t pieces = tokenPieces(g);
-  const uint32_t total = (mode == kExpandOwn ? nOwn : W * Ts) * pieces;
+  const uint32_t skip = mode == kExpandPeers ? g.rank : W;
+  const uint32_t total = (mode == kExpandOwn ? nOwn : sentTokens(rt, W, skip)) * pieces;
   for (uint32_t wu = warpId; wu < total; wu += numWarps) {
     const uint32_t item = wu / pieces, piece = wu % pieces;
-    const uint32_t s = mode == kExpandOwn ? g.rank : item / Ts, j = mode == kExpandOwn ? item : item % Ts;
-    if (mode == kExpandPeers && s == g.rank) continue;
+    uint32_t s = g.rank, j = item;
+    if (mode != kExpandOwn) sentItem(rt, W, skip, item, s, j);
     const uint8_t* src;
     const uint8_t* scaleSrc;
     int64_t scaleStride;
@@ -459,7 +480,6 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
       scaleSrc = src + g.hiddenBytes;
       scaleStride = 4;
     }
-    const int32_t n = mode == kExpandOwn ? static_cast<int32_t>(nOwn) : numTokens[s];
     RouteEntry e0{-1, 0};
     if (lane < K) e0 = route[routeIndex(K, Ts, s, j, lane)];
     int4 v[kUnroll];
@@ -478,7 +498,6 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
         if (c < scaleWords) sc[i] = *reinterpret_cast<const uint32_t*>(scaleSrc + c * scaleStride);
       }
     }
-    if (j >= static_cast<uint32_t>(n)) continue;
     for (uint32_t k0 = 0; k0 < K; k0 += 32) {
       const RouteEntry e = k0 == 0 ? e0 : k0 + lane < K ? route[routeIndex(K, Ts, s, j, k0 + lane)] : RouteEntry{-1, 0};
       int64_t rowOff = -1, scaleOff = 0;
@@ -761,7 +780,6 @@ __device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt,
   const Geometry& g = a.g;
   char* local = a.peers[g.rank];
   const uint32_t L = g.numLocalExperts, K = g.topK, W = g.worldSize, Ts = g.slotsPerSender, D = g.dpSize;
-  const int32_t* numTokens = reinterpret_cast<const int32_t*>(local + g.offNumTokens);
   const RouteEntry* route = reinterpret_cast<const RouteEntry*>(local + g.offRoute);
   const uint64_t* weights = reinterpret_cast<const uint64_t*>(local + g.offWeights);
   const PT* y = reinterpret_cast<const PT*>(a.y);
@@ -771,13 +789,13 @@ __device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt,
   // loads in flight per expert row and the rows of one token spread over several warps (a warp walking a whole
   // 7168-element row with one load in flight measured ~100 us for decode).
   const uint32_t chunks = static_cast<uint32_t>(ceilDiv(units, 32 * kChunkU));
-  const uint32_t firstItem = senders == kOwnSender ? g.rank * Ts : 0;
-  const uint32_t items = senders == kOwnSender ? Ts : W * Ts;
+  // Items over the tokens actually sent (rt.tokens), not the W x Ts slots.
+  const uint32_t skip = senders == kOtherSenders ? g.rank : W;
+  const uint32_t items = senders == kOwnSender ? static_cast<uint32_t>(rt.tokens[g.rank]) : sentTokens(rt, W, skip);
   for (uint32_t wu = warpId; wu < items * chunks; wu += numWarps) {
-    const uint32_t item = firstItem + wu / chunks, chunk = wu % chunks;
-    const uint32_t s = item / Ts, j = item % Ts;
-    if (senders == kOtherSenders && s == g.rank) continue;
-    if (j >= static_cast<uint32_t>(numTokens[s])) continue;
+    const uint32_t item = wu / chunks, chunk = wu % chunks;
+    uint32_t s = g.rank, j = item;
+    if (senders != kOwnSender) sentItem(rt, W, skip, item, s, j);
     const uint32_t t = j * D + s % D;
     const uint32_t group0 = (s / D) * D;
     // Per-lane destination: partial slot of (this expert rank, token t) on rank group0 + lane.

@@ -128,7 +128,7 @@ inline uint64_t routeScratchBytes(const Geometry& g) {
 /// running counts) or the receiver's row bases, whichever is larger.
 inline uint32_t sharedBytes(const Geometry& g) {
   const uint64_t scan = (2ull * kWarps + 1) * g.numExperts * 4;
-  const uint64_t rows = (static_cast<uint64_t>(g.worldSize) + 2) * g.numLocalExperts * 4;
+  const uint64_t rows = ((static_cast<uint64_t>(g.worldSize) + 2) * g.numLocalExperts + g.worldSize) * 4;
   return static_cast<uint32_t>(scan > rows ? scan : rows);
 }
 
