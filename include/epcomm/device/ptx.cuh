@@ -49,6 +49,10 @@ __device__ __forceinline__ uint64_t ldRelaxedSys(const uint64_t* addr) {
 __device__ __forceinline__ void stRelaxedSys(uint64_t* addr, uint64_t v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(v) : "memory");
 }
+/// Two such words in one 16-byte store (each element single-copy atomic on its own; 16-byte aligned).
+__device__ __forceinline__ void stRelaxedSys2(uint64_t* addr, uint64_t v0, uint64_t v1) {
+  asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(addr), "l"(v0), "l"(v1) : "memory");
+}
 
 /// Full fence at system scope: orders this thread's (and, by cumulativity, what it observed through a CTA
 /// barrier) earlier memory operations before its later ones, as seen from peers and the host.

@@ -112,6 +112,10 @@ class NvlinkAllToAll final : public AllToAll {
     const uint32_t W = config.worldSize;
     EPCOMM_CHECK(W <= nvlink::kMaxRanks, kUnavailable,
                  "nvlink backend supports at most " << nvlink::kMaxRanks << " ranks, got " << W);
+    EPCOMM_CHECK(nvlink::fitsTaggedEntries(geo_), kUnavailable,
+                 "nvlink backend supports at most 65536 tokens per rank and DP group (maxNumTokens / dpSize = "
+                     << geo_.slotsPerSender << ") and fewer than 32767 experts per rank (" << geo_.numLocalExperts
+                     << ")");
     const uint32_t smem = nvlink::sharedBytes(geo_);
     int smemMax = 0;
     EPCOMM_CHECK_CUDA(cudaDeviceGetAttribute(&smemMax, cudaDevAttrMaxSharedMemoryPerBlockOptin, device_));
@@ -407,11 +411,11 @@ std::vector<PlannedBuffer> planNvlink(const Config& config) {
   auto add = [&](const char* name, const char* memory, uint64_t bytes, const std::string& note) {
     plan.push_back(PlannedBuffer{"nvlink", name, memory, bytes, note});
   };
-  add("flags", "device (peer-mapped)", g.offNumTokens - g.offFlags, "u64 [3][W] monotone counters");
-  add("routing counts", "device (peer-mapped)", g.offRoute - g.offNumTokens, "i32 [W] + i32 [W][L]");
+  add("flags", "device (peer-mapped)", g.offNumTokens - g.offFlags, "u64 [2][W] monotone counters");
+  add("routing counts", "device (peer-mapped)", g.offRoute - g.offNumTokens, "u64 [W] + u64 [W][L] (tagged)");
   add("routing entries", "device (peer-mapped)", g.offPayload - g.offRoute,
-      "{le, pos} [W=" + std::to_string(W) + "][K/2=" + std::to_string((K + 1) / 2) + "][Ts=" + std::to_string(Ts) +
-          "][2]");
+      "tagged {le, pos} [W=" + std::to_string(W) + "][K/2=" + std::to_string((K + 1) / 2) +
+          "][Ts=" + std::to_string(Ts) + "][2]");
   add("dispatch staging", "device (peer-mapped)", g.offWeights - g.offPayload,
       "[W][Ts][" + std::to_string(g.slotBytes) + " B: payload + scales]");
   add("combine weights", "device (peer-mapped)", g.offPartials - g.offWeights, "u64 [W][Ts][K] (f32 + round tag)");

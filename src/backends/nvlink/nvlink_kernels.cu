@@ -26,6 +26,7 @@ using device::ldRelaxedSys;
 using device::redAddRelaxedSys;
 using device::st16;
 using device::stRelaxedSys;
+using device::stRelaxedSys2;
 
 // 16-byte vectors per lane held in registers by one copy step (8 x 16 B x 32 lanes = 4 KiB in flight per warp).
 constexpr int kUnroll = 8;
@@ -35,7 +36,6 @@ constexpr int kChunkU = 4;
 // Flag arrays (index `which` of flagPtr), see nvlink_layout.hpp.
 constexpr int kFlagDispatch = 0;
 constexpr int kFlagCombineDone = 1;
-constexpr int kFlagRoute = 2;
 
 __device__ __forceinline__ uint64_t* flagPtr(char* base, const Geometry& g, int which, uint32_t sender) {
   return reinterpret_cast<uint64_t*>(base + g.offFlags) + which * g.worldSize + sender;
@@ -95,6 +95,27 @@ __device__ bool waitFlag(const uint64_t* flag, uint64_t expected, const DeviceSt
   }
 }
 
+// Spins until the tagged word (tagWord) carries `round`, then returns its value in `value`. False on timeout
+// (recorded as (phase, peer)) or when another wait failed.
+__device__ bool waitTagged(const uint64_t* word, uint32_t round, const DeviceState& st, int32_t phase, int32_t rank,
+                           int32_t peer, uint32_t& value) {
+  const uint64_t start = globalTimerNs();
+  for (uint32_t i = 1;; ++i) {
+    const uint64_t v = ldRelaxedSys(word);
+    if (static_cast<uint32_t>(v >> 32) == round) {
+      value = static_cast<uint32_t>(v);
+      return true;
+    }
+    if ((i & 255) == 0) {
+      if (aborted(st)) return false;
+      if (globalTimerNs() - start > st.timeoutNs) {
+        recordError(st, phase, rank, peer, static_cast<int64_t>(v >> 32), round);
+        return false;
+      }
+    }
+  }
+}
+
 // The patience of a wait on flag `which` of rank `peer` (see waitFlag).
 __device__ __forceinline__ uint32_t patienceFor(const Geometry& g, uint32_t peer) {
   return peer == g.rank && g.worldSize > 1 ? 2 : 1;
@@ -112,17 +133,14 @@ __device__ bool waitAllRanks(char* local, const Geometry& g, int which, uint64_t
   return __syncthreads_and(ok ? 1 : 0) != 0;
 }
 
-// Thread 0 of a block: after the block's stores, signals flag `which` of every rank (one increment per block), and
-// flag `also` as well when it is >= 0. One system fence, then relaxed adds: the fence + strong write is the release
-// pattern (red.release would add a fence per add).
-__device__ void signalAllRanks(char* const* peers, const Geometry& g, int which, int also = -1) {
+// Thread 0 of a block: after the block's stores, signals flag `which` of every rank (one increment per block). One
+// system fence, then relaxed adds: the fence + strong write is the release pattern (red.release would add a fence
+// per add).
+__device__ void signalAllRanks(char* const* peers, const Geometry& g, int which) {
   __syncthreads();
   if (threadIdx.x == 0) {
     fenceAcqRelSys();
-    for (uint32_t d = 0; d < g.worldSize; ++d) {
-      redAddRelaxedSys(flagPtr(peers[d], g, which, g.rank), 1);
-      if (also >= 0) redAddRelaxedSys(flagPtr(peers[d], g, also, g.rank), 1);
-    }
+    for (uint32_t d = 0; d < g.worldSize; ++d) redAddRelaxedSys(flagPtr(peers[d], g, which, g.rank), 1);
   }
 }
 
@@ -146,6 +164,7 @@ struct RowTables {
   int32_t* total;       // [L]
   int32_t* rowBase;     // [L]
   int32_t* tokens;      // [W]: tokens each sender sent this round (its n_s)
+  bool ok;              // false: a sender's counts never arrived (recorded); nothing else is valid
 };
 
 // Work items over the tokens that were actually sent (sum of n_s, not W x Ts slots: an engine sizes maxNumTokens
@@ -166,21 +185,34 @@ __device__ __forceinline__ void sentItem(const RowTables& rt, uint32_t W, uint32
   }
 }
 
-__device__ RowTables computeRows(char* local, const Geometry& g, int32_t* smem, bool packed, uint32_t padding) {
+// Block-wide. The counts and token counts are tagged words (tagWord) of the senders' dispatch `round`: every
+// thread polls its share, so the tables are ready as soon as the words land (no route flag, no fence behind the
+// payload). Afterwards (combine) they are already there and the polls return at once.
+__device__ RowTables computeRows(char* local, const Geometry& g, int32_t* smem, bool packed, uint32_t padding,
+                                 uint32_t round, const DeviceState& st) {
   const uint32_t W = g.worldSize, L = g.numLocalExperts;
-  RowTables rt{smem, smem + W * L, smem + (W + 1) * L, smem + (W + 2) * L};
-  const int32_t* counts = reinterpret_cast<const int32_t*>(local + g.offCounts);
-  const int32_t* numTokens = reinterpret_cast<const int32_t*>(local + g.offNumTokens);
-  if (threadIdx.x < W) rt.tokens[threadIdx.x] = numTokens[threadIdx.x];
+  RowTables rt{smem, smem + W * L, smem + (W + 1) * L, smem + (W + 2) * L, true};
+  const uint64_t* counts = reinterpret_cast<const uint64_t*>(local + g.offCounts);
+  const uint64_t* numTokens = reinterpret_cast<const uint64_t*>(local + g.offNumTokens);
+  const int32_t rank = static_cast<int32_t>(g.rank);
+  bool ok = true;
+  if (threadIdx.x < W) {
+    uint32_t n = 0;
+    ok = waitTagged(numTokens + threadIdx.x, round, st, kPhaseDispatchRecv, rank, static_cast<int32_t>(threadIdx.x), n);
+    rt.tokens[threadIdx.x] = static_cast<int32_t>(n);
+  }
   for (uint32_t le = threadIdx.x; le < L; le += blockDim.x) {
     int32_t acc = 0;
-    for (uint32_t s = 0; s < W; ++s) {
+    for (uint32_t s = 0; s < W && ok; ++s) {
+      uint32_t c = 0;
+      ok = waitTagged(counts + s * L + le, round, st, kPhaseDispatchRecv, rank, static_cast<int32_t>(s), c);
       rt.senderBase[s * L + le] = acc;
-      acc += counts[s * L + le];
+      acc += static_cast<int32_t>(c);
     }
     rt.total[le] = acc;
   }
-  __syncthreads();
+  rt.ok = __syncthreads_and(ok ? 1 : 0) != 0;
+  if (!rt.ok) return rt;
   if (threadIdx.x < 32) {
     const uint32_t lane = threadIdx.x;
     int32_t carry = 0;
@@ -292,11 +324,12 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
             owner[h] = ue / L;
           }
         }
-        const uint64_t off = g.offRoute + routeIndex(K, g.slotsPerSender, g.rank, j, k0) * sizeof(RouteEntry);
+        const uint64_t off = g.offRoute + routeIndex(K, g.slotsPerSender, g.rank, j, k0) * sizeof(uint64_t);
         for (uint32_t d = 0; d < W; ++d) {
-          const int4 v{d == owner[0] ? le[0] : -1, d == owner[0] ? pos[0] : 0, d == owner[1] ? le[1] : -1,
-                       d == owner[1] ? pos[1] : 0};
-          st16(a.peers[d] + off, v);
+          const RouteEntry e0{d == owner[0] ? le[0] : -1, d == owner[0] ? pos[0] : 0};
+          const RouteEntry e1{d == owner[1] ? le[1] : -1, d == owner[1] ? pos[1] : 0};
+          stRelaxedSys2(reinterpret_cast<uint64_t*>(a.peers[d] + off), tagWord(round, packEntry(e0)),
+                        tagWord(round, packEntry(e1)));
         }
       };
 #pragma unroll 1
@@ -338,11 +371,12 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
   // After the last chunk's positions its running counts are this rank's totals per expert: the receivers' counts.
   if (chunk == R - 1) {
     for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
-      reinterpret_cast<int32_t*>(a.peers[e / L] + g.offCounts)[g.rank * L + e % L] = running[e];
+      stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[e / L] + g.offCounts) + g.rank * L + e % L,
+                   tagWord(round, static_cast<uint32_t>(running[e])));
     }
   }
   if (chunk == 0 && threadIdx.x < W) {
-    reinterpret_cast<int32_t*>(a.peers[threadIdx.x] + g.offNumTokens)[g.rank] = static_cast<int32_t>(n);
+    stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[threadIdx.x] + g.offNumTokens) + g.rank, tagWord(round, n));
   }
   return true;
 }
@@ -451,15 +485,25 @@ enum ExpandMode : int {
 // dispatchPayload, over the tokens actually sent (rt.tokens); the unit's loads (routing entries, payload vectors,
 // scales) are issued together before its stores. `nOwn`: this rank's token count (kExpandOwn).
 __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, int mode, uint32_t nOwn, uint32_t warpId,
-                             uint32_t numWarps) {
+                             uint32_t numWarps, uint32_t round) {
   const Geometry& g = a.g;
   char* local = a.peers[g.rank];
   const uint32_t L = g.numLocalExperts, K = g.topK, W = g.worldSize, Ts = g.slotsPerSender, D = g.dpSize;
-  const RouteEntry* route = reinterpret_cast<const RouteEntry*>(local + g.offRoute);
+  const uint64_t* route = reinterpret_cast<const uint64_t*>(local + g.offRoute);
   const uint32_t lane = threadIdx.x % 32;
   const uint32_t units = g.hiddenBytes / 16, scaleWords = g.scaleBytes / 4;
   const uint32_t pieces = tokenPieces(g);
   const uint32_t skip = mode == kExpandPeers ? g.rank : W;
+  // Entry k of sender s's token j, polled until it carries this round (tagged words: see computeRows). A timeout
+  // (recorded) leaves it empty; the kernel then ends and the host reports the error.
+  auto entry = [&](uint32_t s, uint32_t j, uint32_t k) {
+    uint32_t v = 0;
+    if (!waitTagged(route + routeIndex(K, Ts, s, j, k), round, a.st, kPhaseDispatchRecv, static_cast<int32_t>(g.rank),
+                    static_cast<int32_t>(s), v)) {
+      return RouteEntry{-1, 0};
+    }
+    return unpackEntry(v);
+  };
   const uint32_t total = (mode == kExpandOwn ? nOwn : sentTokens(rt, W, skip)) * pieces;
   for (uint32_t wu = warpId; wu < total; wu += numWarps) {
     const uint32_t item = wu / pieces, piece = wu % pieces;
@@ -480,8 +524,6 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
       scaleSrc = src + g.hiddenBytes;
       scaleStride = 4;
     }
-    RouteEntry e0{-1, 0};
-    if (lane < K) e0 = route[routeIndex(K, Ts, s, j, lane)];
     int4 v[kUnroll];
     const uint32_t vpl = unitVectors(g), u0 = piece * 32 * vpl + lane;
 #pragma unroll
@@ -498,8 +540,11 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
         if (c < scaleWords) sc[i] = *reinterpret_cast<const uint32_t*>(scaleSrc + c * scaleStride);
       }
     }
+    // The entries last: their poll (a loop the loads above cannot move past) overlaps the payload's latency.
+    RouteEntry e0{-1, 0};
+    if (lane < K) e0 = entry(s, j, lane);
     for (uint32_t k0 = 0; k0 < K; k0 += 32) {
-      const RouteEntry e = k0 == 0 ? e0 : k0 + lane < K ? route[routeIndex(K, Ts, s, j, k0 + lane)] : RouteEntry{-1, 0};
+      const RouteEntry e = k0 == 0 ? e0 : k0 + lane < K ? entry(s, j, k0 + lane) : RouteEntry{-1, 0};
       int64_t rowOff = -1, scaleOff = 0;
       if (e.le >= 0 && (e.le & kDupBit) == 0) {
         const int64_t idx = rt.rowBase[e.le] + rt.senderBase[s * L + e.le] + e.pos;
@@ -548,12 +593,8 @@ __device__ bool waitRanks(char* local, const Geometry& g, int which, uint32_t ma
 // blocks decode T = 512 (2 units per warp) dispatched in 34.6 us instead of 37.9, but prefill T = 4096 (16 per warp)
 // in 148.8 / 153.0 us (eager / graph) instead of 145.1 / 142.8.
 constexpr uint32_t kJoinUnitsPerWarp = 4;
-__device__ bool ownBlocksJoin(char* local, const Geometry& g, uint32_t firstLocal) {
-  const int32_t* numTokens = reinterpret_cast<const int32_t*>(local + g.offNumTokens);
-  uint64_t peerTokens = 0;
-  for (uint32_t s = 0; s < g.worldSize; ++s) {
-    if (s != g.rank) peerTokens += static_cast<uint32_t>(numTokens[s]);
-  }
+__device__ bool ownBlocksJoin(const Geometry& g, const RowTables& rt, uint32_t firstLocal) {
+  const uint64_t peerTokens = sentTokens(rt, g.worldSize, g.rank);
   return peerTokens * tokenPieces(g) > static_cast<uint64_t>(kJoinUnitsPerWarp) * firstLocal * kWarps;
 }
 
@@ -577,31 +618,32 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
   const uint32_t firstLocal = R + payloadBlocks;
   const uint32_t allRanks = W >= 32 ? 0xffffffffu : (1u << W) - 1;
   const uint32_t peerRanks = allRanks & ~(1u << g.rank);
-  const uint64_t routesExpected = static_cast<uint64_t>(round) * R;
   if (blockIdx.x >= firstLocal) {
     signalAllRanks(a.peers, g, kFlagDispatch);
-    if (!waitRanks(local, g, kFlagRoute, allRanks, routesExpected, a.st, kPhaseDispatchRecv)) return;
+    // Every rank's counts for this rank's experts, polled as they land (tagged words): no route flag.
+    const RowTables rt = computeRows(local, g, smem, a.packed != 0, a.padding, round, a.st);
+    if (!rt.ok) return;
     tracePoint(a.st, kTrRoutesIn);
-    const RowTables rt = computeRows(local, g, smem, a.packed != 0, a.padding);
     if (blockIdx.x == firstLocal) {
       for (uint32_t le = threadIdx.x; le < g.numLocalExperts; le += blockDim.x) a.outNumTokens[le] = rt.total[le];
     }
-    expandTokens(a, rt, kExpandOwn, n, spreadWarp(blockIdx.x - firstLocal, B - firstLocal), (B - firstLocal) * kWarps);
+    expandTokens(a, rt, kExpandOwn, n, spreadWarp(blockIdx.x - firstLocal, B - firstLocal), (B - firstLocal) * kWarps,
+                 round);
     tracePoint(a.st, kTrOwnDone);
-    if (!ownBlocksJoin(local, g, firstLocal)) return;
+    if (!ownBlocksJoin(g, rt, firstLocal)) return;
     // The row tables are still in smem (expandTokens only reads them).
     if (!waitRanks(local, g, kFlagDispatch, peerRanks, static_cast<uint64_t>(round) * g.blocks, a.st,
                    kPhaseDispatchRecv)) {
       return;
     }
     tracePoint(a.st, kTrPeersIn);
-    expandTokens(a, rt, kExpandPeers, n, spreadWarp(blockIdx.x, B), B * kWarps);
+    expandTokens(a, rt, kExpandPeers, n, spreadWarp(blockIdx.x, B), B * kWarps, round);
     return;
   }
   if (blockIdx.x < R) {
     if (!dispatchRouting(a, n, smem, blockIdx.x, sendRound)) return;
     tracePoint(a.st, kTrRouted);
-    signalAllRanks(a.peers, g, kFlagRoute, kFlagDispatch);  // routes and counts are in every receiver
+    signalAllRanks(a.peers, g, kFlagDispatch);  // its share of the B dispatch increments; the routes are tagged
     tracePoint(a.st, kTrRouteSignalled);
   } else {
     dispatchPayload(a, n, spreadWarp(blockIdx.x - R, payloadBlocks), payloadBlocks * kWarps, peerRanks);
@@ -610,19 +652,19 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
     tracePoint(a.st, kTrSignalled);
   }
   if (peerRanks == 0) return;
-  // The routing tables in smem are dead here (waitRanks' barrier orders their last reads before the rebuild).
-  if (!waitRanks(local, g, kFlagRoute, allRanks, routesExpected, a.st, kPhaseDispatchRecv)) return;
-  const RowTables rt = computeRows(local, g, smem, a.packed != 0, a.padding);
+  // The routing tables in smem are dead here (signalAllRanks' barrier orders their last reads before the rebuild).
+  const RowTables rt = computeRows(local, g, smem, a.packed != 0, a.padding, round, a.st);
+  if (!rt.ok) return;
   tracePoint(a.st, kTrRows);
   if (!waitRanks(local, g, kFlagDispatch, peerRanks, static_cast<uint64_t>(round) * g.blocks, a.st,
                  kPhaseDispatchRecv)) {
     return;
   }
   tracePoint(a.st, kTrPeersIn);
-  if (ownBlocksJoin(local, g, firstLocal)) {
-    expandTokens(a, rt, kExpandPeers, n, spreadWarp(blockIdx.x, B), B * kWarps);
+  if (ownBlocksJoin(g, rt, firstLocal)) {
+    expandTokens(a, rt, kExpandPeers, n, spreadWarp(blockIdx.x, B), B * kWarps, round);
   } else {
-    expandTokens(a, rt, kExpandPeers, n, spreadWarp(blockIdx.x, firstLocal), firstLocal * kWarps);
+    expandTokens(a, rt, kExpandPeers, n, spreadWarp(blockIdx.x, firstLocal), firstLocal * kWarps, round);
   }
 }
 
@@ -670,8 +712,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
       dispatchPayload(a, n, spreadWarp(blk, payloadBlocks), payloadBlocks * kWarps, all);
       tracePoint(a.st, kTrStored);
     }
-    // A routing block signals "routes" with its "dispatch" increment (one fence).
-    signalAllRanks(a.peers, g, kFlagDispatch, router ? kFlagRoute : -1);
+    // Routing blocks too: their entries and counts are tagged words, but the receivers' dispatch flag counts B.
+    signalAllRanks(a.peers, g, kFlagDispatch);
     tracePoint(a.st, kTrSignalled);
     if (threadIdx.x == 0) a.st.seq[kSeqDispatchSend * B + blockIdx.x] = seq + 1;
   }
@@ -682,12 +724,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
       return;
     }
     tracePoint(a.st, kTrPeersIn);
-    const RowTables rt = computeRows(a.peers[g.rank], g, smem, a.packed != 0, a.padding);
+    const RowTables rt = computeRows(a.peers[g.rank], g, smem, a.packed != 0, a.padding, seq, a.st);
+    if (!rt.ok) return;
     tracePoint(a.st, kTrRows);
     if (blockIdx.x == 0) {
       for (uint32_t le = threadIdx.x; le < g.numLocalExperts; le += blockDim.x) a.outNumTokens[le] = rt.total[le];
     }
-    expandTokens(a, rt, kExpandAll, 0, spreadWarp(blockIdx.x, B), B * kWarps);
+    expandTokens(a, rt, kExpandAll, 0, spreadWarp(blockIdx.x, B), B * kWarps, seq);
     __syncthreads();
     tracePoint(a.st, kTrExit);
     if (threadIdx.x == 0) a.st.seq[kSeqDispatchRecv * B + blockIdx.x] = seq;
@@ -752,27 +795,6 @@ enum CombineSenders : int {
   kOtherSenders = 2,  // every other sender's tokens (their weights pushed by their senders, tagged)
 };
 
-// A peer's router weight for (sender s, slot j, k), pushed at the start of its combine-send `round`: spins until
-// the word carries that round's tag. False on timeout (recorded) or when another wait failed.
-__device__ bool waitWeight(const uint64_t* word, uint32_t round, const DeviceState& st, int32_t rank, int32_t peer,
-                           float& w) {
-  const uint64_t start = globalTimerNs();
-  for (uint32_t i = 1;; ++i) {
-    const uint64_t v = ldRelaxedSys(word);
-    if (static_cast<uint32_t>(v >> 32) == round) {
-      w = __uint_as_float(static_cast<uint32_t>(v));
-      return true;
-    }
-    if ((i & 255) == 0) {
-      if (aborted(st)) return false;
-      if (globalTimerNs() - start > st.timeoutNs) {
-        recordError(st, kPhaseCombineEnter, rank, peer, static_cast<int64_t>(v >> 32), round);
-        return false;
-      }
-    }
-  }
-}
-
 // Returns false (in every lane) when a peer's weights never arrived (recorded); the caller then skips its signal.
 template <typename PT, int N>
 __device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt, int senders, uint32_t round,
@@ -780,7 +802,7 @@ __device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt,
   const Geometry& g = a.g;
   char* local = a.peers[g.rank];
   const uint32_t L = g.numLocalExperts, K = g.topK, W = g.worldSize, Ts = g.slotsPerSender, D = g.dpSize;
-  const RouteEntry* route = reinterpret_cast<const RouteEntry*>(local + g.offRoute);
+  const uint64_t* route = reinterpret_cast<const uint64_t*>(local + g.offRoute);  // tagged; complete since dispatch
   const uint64_t* weights = reinterpret_cast<const uint64_t*>(local + g.offWeights);
   const PT* y = reinterpret_cast<const PT*>(a.y);
   const uint32_t lane = threadIdx.x % 32;
@@ -811,7 +833,7 @@ __device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt,
     for (uint32_t h = 0; h < 2; ++h) {
       const uint32_t k = h * 32 + lane;
       if (k < K) {
-        const RouteEntry e = route[routeIndex(K, Ts, s, j, k)];
+        const RouteEntry e = unpackEntry(static_cast<uint32_t>(route[routeIndex(K, Ts, s, j, k)]));
         if (e.le >= 0) {
           const int32_t le = e.le & ~kDupBit;
           const int64_t idx = rt.rowBase[le] + rt.senderBase[s * L + le] + e.pos;
@@ -821,8 +843,11 @@ __device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt,
             w[h] =
                 a.weights[static_cast<int64_t>(t) * a.weightStrides[0] + static_cast<int64_t>(k) * a.weightStrides[1]];
           } else {
-            ok = waitWeight(weights + (static_cast<uint64_t>(s) * Ts + j) * K + k, round, a.st,
-                            static_cast<int32_t>(g.rank), static_cast<int32_t>(s), w[h]);
+            // A peer's weight for (s, j, k), pushed at the start of its combine-send `round`.
+            uint32_t bits = 0;
+            ok = waitTagged(weights + (static_cast<uint64_t>(s) * Ts + j) * K + k, round, a.st, kPhaseCombineEnter,
+                            static_cast<int32_t>(g.rank), static_cast<int32_t>(s), bits);
+            w[h] = __uint_as_float(bits);
           }
         }
       }
@@ -984,7 +1009,9 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(const CombineKernel
       }
       tracePoint(a.st, kTrRouted);
     }
-    const RowTables rt = computeRows(a.peers[g.rank], g, smem, a.packed != 0, a.padding);
+    // The dispatch round of these tables is this combine's round (dispatch and combine alternate).
+    const RowTables rt = computeRows(a.peers[g.rank], g, smem, a.packed != 0, a.padding, seq, a.st);
+    if (!rt.ok) return;
     tracePoint(a.st, kTrRows);
     // With D == 1 this rank's own tokens have their partials here, on this rank, read only by its own combine-recv
     // (earlier on this stream), and their weights are the caller's. Two warp groups then run at once: warps

@@ -25,17 +25,36 @@ struct RouteEntry {
 };
 constexpr int32_t kDupBit = 0x40000000;
 
-/// Flag arrays per region (see Geometry): dispatch, combine-done, route.
-constexpr uint32_t kNumFlags = 3;
+/// Flag arrays per region (see Geometry): dispatch, combine-done.
+constexpr uint32_t kNumFlags = 2;
+
+/// Tagged words (NCCL's LL pattern): the round that wrote a value travels in the same 8-byte word (high 32 bits),
+/// stored and loaded single-copy atomic, so a receiver polls the word itself instead of a flag behind a fence.
+EPCOMM_HD uint64_t tagWord(uint32_t round, uint32_t value) {
+  return (static_cast<uint64_t>(round) << 32) | value;
+}
+
+/// A routing entry in the low 32 bits of a tagged word: position (16 bits) and local-expert field (16 bits:
+/// 0xFFFF none, else the local expert with 0x8000 for kDupBit). Hence fitsTaggedEntries().
+EPCOMM_HD uint32_t packEntry(RouteEntry e) {
+  if (e.le < 0) return 0xFFFF0000u;
+  const uint32_t field = static_cast<uint32_t>(e.le & ~kDupBit) | ((e.le & kDupBit) != 0 ? 0x8000u : 0u);
+  return (field << 16) | (static_cast<uint32_t>(e.pos) & 0xFFFFu);
+}
+EPCOMM_HD RouteEntry unpackEntry(uint32_t v) {
+  const uint32_t field = v >> 16;
+  if (field == 0xFFFFu) return RouteEntry{-1, 0};
+  return RouteEntry{static_cast<int32_t>(field & 0x7FFFu) | ((field & 0x8000u) != 0 ? kDupBit : 0),
+                    static_cast<int32_t>(v & 0xFFFFu)};
+}
 
 /// Byte offsets and sizes inside one rank's peer-mapped region. All offsets are 256-byte aligned.
 ///
-///   flags       u64 dispatchFlag[W], combineDoneFlag[W], routeFlag[W]
-///               (monotone counters, never reset; routeFlag: one increment per round when the sender's routing
-///               entries and counts are in place)
-///   numTokens   i32 [W]                 tokens sender s sent this round (its n_s)
-///   counts      i32 [W][L]              tokens sender s routed to each local expert
-///   route       RouteEntry [W][K/2][Ts][2]  per sent token: its K entries as seen from this rank (see routeIndex)
+///   flags       u64 dispatchFlag[W], combineDoneFlag[W] (monotone counters, never reset)
+///   numTokens   u64 [W]                 tokens sender s sent this round (its n_s), tagWord(send round, n_s)
+///   counts      u64 [W][L]              tokens sender s routed to each local expert, tagWord(send round, count)
+///   route       u64 [W][K/2][Ts][2]     per sent token: its K entries as seen from this rank (see routeIndex),
+///                                       tagWord(send round, packEntry(entry)); all three polled by the receivers
 ///   payload     u8 [W][Ts][slotBytes]   token bytes then scales, slot = token index / D (pull: a sender stages
 ///                                       its own tokens in slots [rank][*] of its own region, read by receivers)
 ///   weights     u64 [W][Ts][K]          router weights pushed by the token's sender at combine start, each
@@ -58,6 +77,9 @@ struct Geometry {
 };
 
 EPCOMM_HD uint64_t align256(uint64_t x) { return roundUpPow2(x, 256); }
+
+/// Whether every routing entry fits packEntry(): positions below 2^16 (Ts <= 65536) and local experts below 0x7FFF.
+inline bool fitsTaggedEntries(const Geometry& g) { return g.slotsPerSender <= 65536u && g.numLocalExperts < 0x7FFFu; }
 
 /// Index (in RouteEntry units, from offRoute) of entry k of sender s's token slot j. Entries k = 2p, 2p + 1 form a
 /// 16-byte pair and pairs are laid out [s][p][j]: consecutive tokens' pairs are adjacent, so a warp of routing
@@ -101,9 +123,9 @@ inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1
   g.offFlags = off;
   off = align256(off + kNumFlags * W * sizeof(uint64_t));
   g.offNumTokens = off;
-  off = align256(off + W * sizeof(int32_t));
+  off = align256(off + W * sizeof(uint64_t));
   g.offCounts = off;
-  off = align256(off + W * g.numLocalExperts * sizeof(int32_t));
+  off = align256(off + W * g.numLocalExperts * sizeof(uint64_t));
   g.offRoute = off;
   off = align256(off + W * Ts * roundUpPow2(K, 2) * sizeof(RouteEntry));
   g.offPayload = off;

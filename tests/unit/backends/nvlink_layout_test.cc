@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <set>
+#include <vector>
 
 #include "epcomm/config.hpp"
 
@@ -79,6 +80,26 @@ TEST(NvlinkLayout, RouteIndexIsABijectionIntoTheRouteArea) {
       }
     }
   }
+}
+
+// Routing entries travel as tagged words (the round in the high half, the entry packed in the low half); every entry
+// the kernels write must come back unchanged, and an empty one must stay distinguishable from local expert 0x7FFE.
+TEST(NvlinkLayout, PackedEntriesRoundTrip) {
+  const std::vector<nvlink::RouteEntry> entries = {
+      {-1, 0}, {0, 0}, {1, 65535}, {0x7FFE, 12345}, {5 | nvlink::kDupBit, 7}, {0x7FFE | nvlink::kDupBit, 65535}};
+  for (const nvlink::RouteEntry& e : entries) {
+    const uint64_t word = nvlink::tagWord(0xABCDEF01u, nvlink::packEntry(e));
+    EXPECT_EQ(static_cast<uint32_t>(word >> 32), 0xABCDEF01u);
+    const nvlink::RouteEntry back = nvlink::unpackEntry(static_cast<uint32_t>(word));
+    EXPECT_EQ(back.le, e.le) << "le " << e.le << " pos " << e.pos;
+    EXPECT_EQ(back.pos, e.le < 0 ? 0 : e.pos) << "le " << e.le << " pos " << e.pos;
+  }
+}
+
+TEST(NvlinkLayout, TaggedEntriesLimitTokensPerSender) {
+  EXPECT_TRUE(nvlink::fitsTaggedEntries(nvlink::makeGeometry(make(65536, 2, 8), 66)));
+  EXPECT_FALSE(nvlink::fitsTaggedEntries(nvlink::makeGeometry(make(65537, 2, 8), 66)));
+  EXPECT_TRUE(nvlink::fitsTaggedEntries(nvlink::makeGeometry(make(131072, 2, 8, 2), 66)));  // 65536 per DP rank
 }
 
 }  // namespace
