@@ -30,9 +30,7 @@ constexpr uint32_t kNumFlags = 2;
 
 /// Tagged words (NCCL's LL pattern): the round that wrote a value travels in the same 8-byte word (high 32 bits),
 /// stored and loaded single-copy atomic, so a receiver polls the word itself instead of a flag behind a fence.
-EPCOMM_HD uint64_t tagWord(uint32_t round, uint32_t value) {
-  return (static_cast<uint64_t>(round) << 32) | value;
-}
+EPCOMM_HD uint64_t tagWord(uint32_t round, uint32_t value) { return (static_cast<uint64_t>(round) << 32) | value; }
 
 /// A routing entry in the low 32 bits of a tagged word: position (16 bits) and local-expert field (16 bits:
 /// 0xFFFF none, else the local expert with 0x8000 for kDupBit). Hence fitsTaggedEntries().
