@@ -73,47 +73,48 @@ __device__ void recordError(const DeviceState& st, int32_t phase, int32_t rank, 
   __threadfence_system();
 }
 
-// Spins until *flag >= expected; on timeout records (phase, peer) and returns false. Never traps. `patience`: the
-// timeout in units of EPCOMM_TIMEOUT_MS. A wait on this rank's own blocks passes 2: when they are late, they are
-// themselves waiting for a peer, and their wait, which times out first, is the error worth reporting (it names the
-// peer). Without that the two timed out together and either could be recorded first (a fused combine-recv named
-// its own rank when the peer never entered combine).
-__device__ bool waitFlag(const uint64_t* flag, uint64_t expected, const DeviceState& st, int32_t phase, int32_t rank,
-                         int32_t peer, uint32_t patience = 1) {
-  if (ldAcquireSys(flag) >= expected) return true;
+// Spins on *word until it is ready: a flag (acquire loads) once it reached `want`, a tagged word (tagWord, relaxed
+// loads) once its tag is `want`. `v`: the last value seen. Every 256 polls it checks whether another wait failed
+// (then false) and whether `patience` x EPCOMM_TIMEOUT_MS passed: then it records (phase, peer, the value or tag
+// seen, want) and returns false. Never traps.
+template <bool kTagged>
+__device__ __forceinline__ bool spinOn(const uint64_t* word, uint64_t want, const DeviceState& st, int32_t phase,
+                                       int32_t rank, int32_t peer, uint32_t patience, uint64_t& v) {
+  const auto load = [word] { return kTagged ? ldRelaxedSys(word) : ldAcquireSys(word); };
+  const auto ready = [want](uint64_t x) { return kTagged ? (x >> 32) == want : x >= want; };
+  v = load();
+  if (ready(v)) return true;
   const uint64_t start = globalTimerNs();
   for (uint32_t i = 1;; ++i) {
-    uint64_t v = ldAcquireSys(flag);
-    if (v >= expected) return true;
+    v = load();
+    if (ready(v)) return true;
     if ((i & 255) == 0) {
       if (aborted(st)) return false;
       if (globalTimerNs() - start > patience * st.timeoutNs) {
-        recordError(st, phase, rank, peer, static_cast<int64_t>(v), static_cast<int64_t>(expected));
+        recordError(st, phase, rank, peer, static_cast<int64_t>(kTagged ? v >> 32 : v), static_cast<int64_t>(want));
         return false;
       }
     }
   }
 }
 
-// Spins until the tagged word (tagWord) carries `round`, then returns its value in `value`. False on timeout
-// (recorded as (phase, peer)) or when another wait failed.
+// Spins until *flag >= expected (see spinOn). `patience`: the timeout in units of EPCOMM_TIMEOUT_MS. A wait on this
+// rank's own blocks passes 2: when they are late, they are themselves waiting for a peer, and their wait, which
+// times out first, is the error worth reporting (it names the peer). Without that the two timed out together and
+// either could be recorded first (a fused combine-recv named its own rank when the peer never entered combine).
+__device__ bool waitFlag(const uint64_t* flag, uint64_t expected, const DeviceState& st, int32_t phase, int32_t rank,
+                         int32_t peer, uint32_t patience = 1) {
+  uint64_t v;
+  return spinOn<false>(flag, expected, st, phase, rank, peer, patience, v);
+}
+
+// Spins until the tagged word (tagWord) carries `round`, then returns its value in `value` (see spinOn).
 __device__ bool waitTagged(const uint64_t* word, uint32_t round, const DeviceState& st, int32_t phase, int32_t rank,
                            int32_t peer, uint32_t& value) {
-  const uint64_t start = globalTimerNs();
-  for (uint32_t i = 1;; ++i) {
-    const uint64_t v = ldRelaxedSys(word);
-    if (static_cast<uint32_t>(v >> 32) == round) {
-      value = static_cast<uint32_t>(v);
-      return true;
-    }
-    if ((i & 255) == 0) {
-      if (aborted(st)) return false;
-      if (globalTimerNs() - start > st.timeoutNs) {
-        recordError(st, phase, rank, peer, static_cast<int64_t>(v >> 32), round);
-        return false;
-      }
-    }
-  }
+  uint64_t v;
+  if (!spinOn<true>(word, round, st, phase, rank, peer, 1, v)) return false;
+  value = static_cast<uint32_t>(v);
+  return true;
 }
 
 // The patience of a wait on flag `which` of rank `peer` (see waitFlag).
