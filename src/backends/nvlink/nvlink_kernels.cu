@@ -600,11 +600,11 @@ __device__ bool ownBlocksJoin(const Geometry& g, const RowTables& rt, uint32_t f
 }
 
 // Fused dispatch with roles, so this rank's own tokens never wait for NVLink (R = g.routeBlocks):
-//   blocks [0, R)         routing scan, signal "routes" and "dispatch" to every rank;
+//   blocks [0, R)         routing scan (entries and counts as tagged words in every rank), signal "dispatch";
 //   blocks [R, R + P)     copy this rank's tokens to the *other* ranks' staging, signal "dispatch";
-//   blocks [R + P, B)     signal "dispatch" at once (they store nothing into peers), wait for every rank's routes,
+//   blocks [R + P, B)     signal "dispatch" at once (they store nothing into peers), poll every rank's counts,
 //                         expand this rank's own tokens straight from x (HBM to HBM, overlapping the NVLink copy);
-//   blocks [0, R + P)     then wait for every rank's routes, build the row tables, wait for the other ranks'
+//   blocks [0, R + P)     then poll every rank's counts, build the row tables, wait for the other ranks'
 //                         "dispatch" flags and expand their tokens from staging.
 // The own-token blocks take part in the peers' expansion only when it is large (ownBlocksJoin): as one of the last
 // steps of every block it had them start their share only after their own tokens, and they finished last (trace,

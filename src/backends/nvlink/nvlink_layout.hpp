@@ -79,7 +79,7 @@ EPCOMM_HD uint64_t align256(uint64_t x) { return roundUpPow2(x, 256); }
 /// Whether every routing entry fits packEntry(): positions below 2^16 (Ts <= 65536) and local experts below 0x7FFF.
 inline bool fitsTaggedEntries(const Geometry& g) { return g.slotsPerSender <= 65536u && g.numLocalExperts < 0x7FFFu; }
 
-/// Index (in RouteEntry units, from offRoute) of entry k of sender s's token slot j. Entries k = 2p, 2p + 1 form a
+/// Index (in tagged 8-byte words, from offRoute) of entry k of sender s's token slot j. Entries k = 2p, 2p + 1 form a
 /// 16-byte pair and pairs are laid out [s][p][j]: consecutive tokens' pairs are adjacent, so a warp of routing
 /// threads (one token each) writes whole 128-byte lines across NVLink instead of 16 bytes every 64.
 EPCOMM_HD uint64_t routeIndex(uint32_t K, uint32_t Ts, uint32_t s, uint32_t j, uint32_t k) {
@@ -125,7 +125,7 @@ inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1
   g.offCounts = off;
   off = align256(off + W * g.numLocalExperts * sizeof(uint64_t));
   g.offRoute = off;
-  off = align256(off + W * Ts * roundUpPow2(K, 2) * sizeof(RouteEntry));
+  off = align256(off + W * Ts * roundUpPow2(K, 2) * sizeof(uint64_t));
   g.offPayload = off;
   off = align256(off + W * Ts * g.slotBytes);
   g.offWeights = off;

@@ -61,7 +61,7 @@ TEST(NvlinkLayout, RouteIndexIsABijectionIntoTheRouteArea) {
   for (uint32_t k : {1u, 2u, 5u, 8u}) {
     const Config c = make(40, 4, k, 2);
     const nvlink::Geometry g = nvlink::makeGeometry(c, 66);
-    const uint64_t slots = (g.offPayload - g.offRoute) / sizeof(nvlink::RouteEntry);
+    const uint64_t slots = (g.offPayload - g.offRoute) / sizeof(uint64_t);
     std::set<uint64_t> seen;
     for (uint32_t s = 0; s < g.worldSize; ++s) {
       for (uint32_t j = 0; j < g.slotsPerSender; ++j) {
@@ -69,7 +69,7 @@ TEST(NvlinkLayout, RouteIndexIsABijectionIntoTheRouteArea) {
           const uint64_t i = nvlink::routeIndex(k, g.slotsPerSender, s, j, kk);
           EXPECT_LT(i, slots);
           EXPECT_TRUE(seen.insert(i).second) << "k=" << k << " s=" << s << " j=" << j << " kk=" << kk;
-          if (kk % 2 == 0) EXPECT_EQ((g.offRoute + i * sizeof(nvlink::RouteEntry)) % 16, 0u);  // 16-byte pair store
+          if (kk % 2 == 0) EXPECT_EQ((g.offRoute + i * sizeof(uint64_t)) % 16, 0u);  // 16-byte pair store
           if (kk % 2 == 1) EXPECT_EQ(i, nvlink::routeIndex(k, g.slotsPerSender, s, j, kk - 1) + 1);
         }
         // Consecutive tokens' pairs are adjacent (what makes a warp's stores coalesce).
