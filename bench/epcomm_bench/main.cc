@@ -54,6 +54,7 @@
 #include "epcomm/bootstrap.hpp"
 #include "epcomm/error.hpp"
 #include "reference/reference.hpp"
+#include "fill.hpp"
 #include "shm_barrier.hpp"
 #ifdef EPCOMM_HAVE_HOST_BACKEND
 #include "backends/host/host_all_to_all.hpp"
@@ -61,6 +62,7 @@
 #endif
 
 void epcommBenchSpin(cudaStream_t stream, unsigned nanoseconds);
+void epcommBenchFillNearOne(cudaStream_t stream, uint16_t* y, uint64_t n, uint64_t seed);
 void epcommBenchEmpty(cudaStream_t stream, int blocks);
 void epcommBenchFlagPing(cudaStream_t stream, int blocks, uint64_t* nextFlag, const uint64_t* myFlag, uint64_t round);
 void epcommBenchStoreProbe(cudaStream_t stream, int blocks, char* dst, int n, int stride, uint64_t* out);
@@ -545,9 +547,6 @@ class Bench {
     std::vector<uint8_t> xh(static_cast<size_t>(T) * c.hiddenDimBytes);
     for (auto& b : xh) b = static_cast<uint8_t>(rng() & 0x7f);
     std::vector<float> sh(static_cast<size_t>(T) * S + 1, 1.0f), wh(static_cast<size_t>(T) * K, 1.0f / K);
-    // Host: expertY is generated in place (no staging copy of the largest tensor), the same values in the same order.
-    std::vector<uint16_t> yh(hostMode_ ? 0 : static_cast<size_t>(rows) * H);
-    for (auto& v : yh) v = 0x3f80 ^ static_cast<uint16_t>(rng() & 0x7f);  // bf16 near 1
     void* x = ts.alloc(xh.size());
     ts.fill(x, xh.data(), xh.size());
     void* xs = S ? ts.alloc(sh.size() * 4) : nullptr;
@@ -556,12 +555,16 @@ class Bench {
     ts.fill(ind, idx.data(), idx.size() * 4);
     void* w = ts.alloc(wh.size() * 4);
     ts.fill(w, wh.data(), wh.size() * 4);
-    void* y = ts.alloc(static_cast<size_t>(rows) * H * 2);
+    // expertY (prefill: 15 GB) is generated in place, on the GPU or the host, the same values (fill.hpp).
+    const uint64_t yElems = static_cast<uint64_t>(rows) * H, ySeed = 999 + group;
+    void* y = ts.alloc(yElems * 2);
     if (hostMode_) {
       uint16_t* yp = static_cast<uint16_t*>(y);
-      for (size_t i = 0; i < static_cast<size_t>(rows) * H; ++i) yp[i] = 0x3f80 ^ static_cast<uint16_t>(rng() & 0x7f);
+      for (uint64_t i = 0; i < yElems; ++i) yp[i] = epcommBenchNearOne(ySeed, i);
     } else {
-      ts.fill(y, yh.data(), yh.size() * 2);
+      epcommBenchFillNearOne(stream_, static_cast<uint16_t*>(y), yElems, ySeed);
+      BENCH_CUDA(cudaStreamSynchronize(stream_));
+      BENCH_CUDA(cudaGetLastError());
     }
     void* counts = ts.alloc(L * 4);
     void* ox = ts.alloc(static_cast<size_t>(rows) * c.hiddenDimBytes);

@@ -1,11 +1,12 @@
 // Small kernels of the benchmark: a GPU spin queued before the first timing event (so a "device-only" sample
-// excludes the launch latency), and the floor probes of --floor (an empty launch; one flag exchange between ranks;
+// excludes the launch latency), the fill of expertY (generated in place: prefill's is 15 GB), and the floor probes of --floor (an empty launch; one flag exchange between ranks;
 // the cost of a few 16-byte stores into a peer's and into the own memory).
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "epcomm/device/ptx.cuh"
+#include "fill.hpp"
 
 namespace {
 __global__ void spinKernel(unsigned nanoseconds) {
@@ -15,6 +16,13 @@ __global__ void spinKernel(unsigned nanoseconds) {
 }
 
 __global__ void emptyKernel() {}
+
+__global__ void fillNearOneKernel(uint16_t* y, uint64_t n, uint64_t seed) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    y[i] = epcommBenchNearOne(seed, i);
+  }
+}
 
 // Block 0, thread 0: publishes `round` in the next rank's flag, then waits (at most 1 s) until the previous rank's
 // store of `round` reached this rank's flag. The other blocks only make the launch as large as the library's.
@@ -44,6 +52,11 @@ __global__ void storeProbeKernel(char* dst, int n, int stride, uint64_t* out) {
 
 /// Queues one single-thread kernel that spins for `nanoseconds` on `stream`.
 void epcommBenchSpin(cudaStream_t stream, unsigned nanoseconds) { spinKernel<<<1, 1, 0, stream>>>(nanoseconds); }
+
+/// Fills y[0, n) with epcommBenchNearOne(seed, i) on `stream`.
+void epcommBenchFillNearOne(cudaStream_t stream, uint16_t* y, uint64_t n, uint64_t seed) {
+  fillNearOneKernel<<<1024, 256, 0, stream>>>(y, n, seed);
+}
 
 /// An empty kernel of `blocks` blocks of 512 threads.
 void epcommBenchEmpty(cudaStream_t stream, int blocks) { emptyKernel<<<blocks, 512, 0, stream>>>(); }
