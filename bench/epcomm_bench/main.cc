@@ -53,8 +53,8 @@
 #include "epcomm/all_to_all.hpp"
 #include "epcomm/bootstrap.hpp"
 #include "epcomm/error.hpp"
-#include "reference/reference.hpp"
 #include "fill.hpp"
+#include "reference/reference.hpp"
 #include "shm_barrier.hpp"
 #ifdef EPCOMM_HAVE_HOST_BACKEND
 #include "backends/host/host_all_to_all.hpp"

@@ -1,6 +1,7 @@
 // Small kernels of the benchmark: a GPU spin queued before the first timing event (so a "device-only" sample
-// excludes the launch latency), the fill of expertY (generated in place: prefill's is 15 GB), and the floor probes of --floor (an empty launch; one flag exchange between ranks;
-// the cost of a few 16-byte stores into a peer's and into the own memory).
+// excludes the launch latency), the fill of expertY (generated in place: prefill's is 15 GB), and the floor probes of
+// --floor (an empty launch; one flag exchange between ranks; the cost of a few 16-byte stores into a peer's and into
+// the own memory).
 #include <cuda_runtime.h>
 
 #include <cstdint>
