@@ -89,6 +89,15 @@ __device__ __forceinline__ void st16(void* p, int4 v) {
   asm volatile("st.global.v4.s32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
+/// Asks L2 to fetch [p, p + bytes) from memory: a hint (no registers, nothing to wait for), so a warp can start the
+/// fetch of every row it will read before it reads the first. p 16-byte aligned, bytes a multiple of 16. sm_90's bulk
+/// (TMA) prefetch; nothing on older GPUs.
+__device__ __forceinline__ void prefetchL2(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes));
+#endif
+}
+
 /// Lanes below this one in the warp, as a mask.
 __device__ __forceinline__ uint32_t laneMaskLt() {
   uint32_t m;

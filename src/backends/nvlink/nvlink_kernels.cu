@@ -826,6 +826,9 @@ __device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt,
                                       (static_cast<uint64_t>(g.rank) * g.maxTokens + t) * g.partialBytes
                                 : nullptr;
     const uint32_t dstMask = D >= 32 ? 0xffffffffu : ((1u << D) - 1);
+    // This unit's vectors of a row: [v0, v0 + 32 * kChunkU), cut at the row's end.
+    const uint32_t v0 = chunk * 32 * kChunkU;
+    const uint32_t sliceBytes = min(32u * kChunkU, units - v0) * static_cast<uint32_t>(N * sizeof(PT));
     // K <= 64: at most two lane groups of routing entries; the sum runs k ascending.
     int64_t yOff[2] = {-1, -1};
     float w[2] = {0.f, 0.f};
@@ -839,6 +842,12 @@ __device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt,
           const int32_t le = e.le & ~kDupBit;
           const int64_t idx = rt.rowBase[le] + rt.senderBase[s * L + le] + e.pos;
           yOff[h] = le * a.yExpertStride + idx * a.yRowStride;
+          // The unit's slice of this row into L2 now: the rows are summed one after the other below, so without it
+          // every row but the first starts with a memory latency (decode: ~4 rows per unit, ~2 units per warp).
+          const uint8_t* rowSlice = reinterpret_cast<const uint8_t*>(y + yOff[h] + static_cast<int64_t>(v0) * N);
+          if ((reinterpret_cast<uintptr_t>(rowSlice) & 15) == 0 && (sliceBytes & 15) == 0) {
+            device::prefetchL2(rowSlice, sliceBytes);
+          }
           // Own tokens: the caller's weights. A peer's: its pushed copy, tagged with its round (no entry barrier).
           if (s == g.rank) {
             w[h] =
@@ -863,7 +872,7 @@ __device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt,
 #pragma unroll
       for (int i = 0; i < N; ++i) acc[c][i] = 0.f;
     }
-    const uint32_t u0 = chunk * 32 * kChunkU + lane;
+    const uint32_t u0 = v0 + lane;
     for (uint32_t h = 0; h < 2; ++h) {
       for (uint32_t m = valid[h]; m != 0; m &= m - 1) {
         const int b = __ffs(m) - 1;
