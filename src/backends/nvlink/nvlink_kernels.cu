@@ -122,16 +122,26 @@ __device__ __forceinline__ uint32_t patienceFor(const Geometry& g, uint32_t peer
   return peer == g.rank && g.worldSize > 1 ? 2 : 1;
 }
 
-// Block-wide: waits until flag `which` from every rank reached `expected`. Returns false (in every thread) if any
-// wait failed.
-__device__ bool waitAllRanks(char* local, const Geometry& g, int which, uint64_t expected, const DeviceState& st,
-                             int32_t phase) {
+// Block-wide: waits for flag `which` of every rank in `mask` to reach `expected`. False (in every thread) on failure.
+__device__ bool waitRanks(char* local, const Geometry& g, int which, uint32_t mask, uint64_t expected,
+                          const DeviceState& st, int32_t phase) {
   bool ok = true;
-  if (threadIdx.x < g.worldSize) {
+  if (threadIdx.x < g.worldSize && ((mask >> threadIdx.x) & 1)) {
     ok = waitFlag(flagPtr(local, g, which, threadIdx.x), expected, st, phase, static_cast<int32_t>(g.rank),
                   static_cast<int32_t>(threadIdx.x), patienceFor(g, threadIdx.x));
   }
   return __syncthreads_and(ok ? 1 : 0) != 0;
+}
+
+// Bit r set for every rank r.
+__device__ __forceinline__ uint32_t allRanksMask(const Geometry& g) {
+  return g.worldSize >= 32 ? 0xffffffffu : (1u << g.worldSize) - 1;
+}
+
+// Block-wide: waitRanks over every rank.
+__device__ bool waitAllRanks(char* local, const Geometry& g, int which, uint64_t expected, const DeviceState& st,
+                             int32_t phase) {
+  return waitRanks(local, g, which, allRanksMask(g), expected, st, phase);
 }
 
 // Thread 0 of a block: after the block's stores, signals flag `which` of every rank (one increment per block). One
@@ -577,17 +587,6 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
   }
 }
 
-// Block-wide: waits for flag `which` of every rank in `mask` to reach `expected`. False (in every thread) on failure.
-__device__ bool waitRanks(char* local, const Geometry& g, int which, uint32_t mask, uint64_t expected,
-                          const DeviceState& st, int32_t phase) {
-  bool ok = true;
-  if (threadIdx.x < g.worldSize && ((mask >> threadIdx.x) & 1)) {
-    ok = waitFlag(flagPtr(local, g, which, threadIdx.x), expected, st, phase, static_cast<int32_t>(g.rank),
-                  static_cast<int32_t>(threadIdx.x), patienceFor(g, threadIdx.x));
-  }
-  return __syncthreads_and(ok ? 1 : 0) != 0;
-}
-
 // Whether the own-token blocks of the fused dispatch also expand the peers' tokens: only for more than
 // kJoinUnitsPerWarp work units per warp of the other blocks (prefill). Decided from the received token counts
 // (valid once every rank's routes are in), so every block decides the same. Measured on 2x H200: without the own
@@ -617,8 +616,7 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
   const uint32_t W = g.worldSize, B = gridDim.x, R = g.routeBlocks;
   char* local = a.peers[g.rank];
   const uint32_t firstLocal = R + payloadBlocks;
-  const uint32_t allRanks = W >= 32 ? 0xffffffffu : (1u << W) - 1;
-  const uint32_t peerRanks = allRanks & ~(1u << g.rank);
+  const uint32_t peerRanks = allRanksMask(g) & ~(1u << g.rank);
   if (blockIdx.x >= firstLocal) {
     signalAllRanks(a.peers, g, kFlagDispatch);
     // Every rank's counts for this rank's experts, polled as they land (tagged words): no route flag.
@@ -700,7 +698,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
   if constexpr (kSend) {
     const uint32_t seq = a.st.seq[kSeqDispatchSend * B + blockIdx.x];
     const uint32_t n = numTokensSentBy(g.rank, effectiveBound(a.boundM, a.m), g.dpSize);
-    const uint32_t all = g.worldSize >= 32 ? 0xffffffffu : (1u << g.worldSize) - 1;
     const uint32_t R = g.routeBlocks;
     const bool router = blockIdx.x < R;
     if (router) {
@@ -710,7 +707,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
     if (!router || B <= R) {  // B <= R only when B == 1: that block also copies
       const uint32_t payloadBlocks = B > R ? B - R : B;
       const uint32_t blk = B > R ? blockIdx.x - R : blockIdx.x;
-      dispatchPayload(a, n, spreadWarp(blk, payloadBlocks), payloadBlocks * kWarps, all);
+      dispatchPayload(a, n, spreadWarp(blk, payloadBlocks), payloadBlocks * kWarps, allRanksMask(g));
       tracePoint(a.st, kTrStored);
     }
     // Routing blocks too: their entries and counts are tagged words, but the receivers' dispatch flag counts B.
