@@ -26,6 +26,9 @@ const std::vector<EnvVar>& envVars() {
       {"EPCOMM_NVLINK_PULL", "-1",
        "nvlink backend: 1 = receivers read the peers' tokens from the peers' memory, 0 = senders store them into the "
        "receivers' memory, -1 = automatic (pull for batches of at least one work unit per warp)"},
+      {"EPCOMM_NVLINK_PUSH_QUARTERS", "-1",
+       "nvlink backend, pull mode: quarters (0-4) of every sender's tokens pushed into the receivers all the same, "
+       "-1 = automatic (1)"},
       {"EPCOMM_NVLINK_TRACE", "0",
        "nvlink backend diagnostics: 1 stamps every kernel's phases per block and prints a summary at destruction"},
       {"EPCOMM_FABRIC_DOMAIN", "", "libfabric domain (interface) for the TransferEngine, e.g. lo (empty: first IPv4)"},
@@ -76,6 +79,7 @@ static Env readEnv() {
   e.nvlinkBlocks = static_cast<int>(envInt("EPCOMM_NVLINK_BLOCKS"));
   e.nvlinkTrace = envInt("EPCOMM_NVLINK_TRACE") != 0;
   e.nvlinkPull = static_cast<int>(envInt("EPCOMM_NVLINK_PULL"));
+  e.nvlinkPushQuarters = static_cast<int>(envInt("EPCOMM_NVLINK_PUSH_QUARTERS"));
   for (char** p = environ; p != nullptr && *p != nullptr; ++p) {
     if (std::strncmp(*p, "EPCOMM_", 7) != 0) continue;
     std::string name(*p, std::strchr(*p, '=') != nullptr ? std::strchr(*p, '=') - *p : std::strlen(*p));

@@ -32,6 +32,7 @@ struct Env {
   int nvlinkBlocks;            ///< EPCOMM_NVLINK_BLOCKS: SMs used by nvlink kernels (0 = auto).
   bool nvlinkTrace;            ///< EPCOMM_NVLINK_TRACE: per-block phase stamps, summary at destruction.
   int nvlinkPull;              ///< EPCOMM_NVLINK_PULL: 1 pull, 0 push, -1 automatic (see nvlink::makeGeometry).
+  int nvlinkPushQuarters;      ///< EPCOMM_NVLINK_PUSH_QUARTERS: pull mode's pushed share, -1 automatic.
 };
 
 /// The process-wide parsed environment (read on first call; thread-safe).

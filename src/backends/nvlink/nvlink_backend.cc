@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <string>
@@ -97,6 +98,7 @@ struct PeerInfo {
   cudaIpcMemHandle_t handle;
   uint32_t blocks;
   uint32_t pull;
+  uint32_t pushQuarters;
   int32_t device;
   uint64_t bytes;
 };
@@ -108,7 +110,7 @@ class NvlinkAllToAll final : public AllToAll {
     EPCOMM_CHECK_CUDA(cudaSetDevice(device_));
     int sms = 0;
     EPCOMM_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
-    geo_ = nvlink::makeGeometry(config, chooseBlocks(config, sms), env().nvlinkPull);
+    geo_ = nvlink::makeGeometry(config, chooseBlocks(config, sms), env().nvlinkPull, env().nvlinkPushQuarters);
     const uint32_t W = config.worldSize;
     EPCOMM_CHECK(W <= nvlink::kMaxRanks, kUnavailable,
                  "nvlink backend supports at most " << nvlink::kMaxRanks << " ranks, got " << W);
@@ -145,6 +147,7 @@ class NvlinkAllToAll final : public AllToAll {
     gethostname(mine.host, sizeof(mine.host) - 1);
     mine.blocks = geo_.blocks;
     mine.pull = geo_.pull;
+    mine.pushQuarters = geo_.pushQuarters;
     mine.device = device_;
     mine.bytes = geo_.totalBytes;
     EPCOMM_CHECK_CUDA(cudaIpcGetMemHandle(&mine.handle, region_));
@@ -161,6 +164,10 @@ class NvlinkAllToAll final : public AllToAll {
       EPCOMM_CHECK(all[r].pull == geo_.pull, kInvalidConfig,
                    "ranks disagree on the nvlink transfer mode: rank " << r << (all[r].pull ? " pulls" : " pushes")
                                                                        << " (set EPCOMM_NVLINK_PULL equally)");
+      EPCOMM_CHECK(all[r].pushQuarters == geo_.pushQuarters, kInvalidConfig,
+                   "ranks disagree on the nvlink pushed share: rank "
+                       << r << " pushes " << all[r].pushQuarters << " quarters, rank " << config.rank << " "
+                       << geo_.pushQuarters << " (set EPCOMM_NVLINK_PUSH_QUARTERS equally)");
       EPCOMM_CHECK(all[r].bytes == geo_.totalBytes, kInvalidConfig,
                    "ranks disagree on the buffer size: rank " << r << " has " << all[r].bytes);
     }
@@ -324,6 +331,7 @@ class NvlinkAllToAll final : public AllToAll {
     st.claimed = claimed_;
     st.routeArrived = static_cast<uint64_t*>(route_);
     st.routeScratch = reinterpret_cast<int32_t*>(static_cast<char*>(route_) + 256);
+    st.queues = reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(claimed_) + nvlink::kQueueOffset);
     st.hostError = hostErrorDev_;
     st.timeoutNs = static_cast<uint64_t>(env().timeoutMs) * 1000000ull;
     st.trace = nullptr;

@@ -155,6 +155,25 @@ __device__ void signalAllRanks(char* const* peers, const Geometry& g, int which)
   }
 }
 
+// Dynamic schedules of the dispatch's expansions: work queues (DeviceState::queues), one counter per queue and
+// round parity. (Combine keeps static shares: with queues its prefill send took 16 us longer, docs/nvlink.md.)
+constexpr int kQueueDispatchOwn = 0;
+constexpr int kQueueDispatchPeers = 1;
+
+__device__ __forceinline__ uint32_t* queueOf(const DeviceState& st, int queue, uint32_t round) {
+  return st.queues + queue * 2 + (round & 1);
+}
+
+// Thread 0 of block 0 of a dispatch send (or fused) kernel of round `round` clears the queues of round + 1. Their
+// last user was round - 1's kernel, which ended before this one started (one stream), and round + 1's kernels start
+// after this one ends. Every dispatch has a send kernel, so every round clears its successor's queues.
+__device__ __forceinline__ void clearNextQueues(const DeviceState& st, uint32_t round) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    *queueOf(st, kQueueDispatchOwn, round + 1) = 0;
+    *queueOf(st, kQueueDispatchPeers, round + 1) = 0;
+  }
+}
+
 __device__ __forceinline__ int64_t loadIndex(const void* base, int kind, const int64_t* strides, uint32_t t,
                                              uint32_t k) {
   return decodeIndex(base, kind, static_cast<int64_t>(t) * strides[0] + static_cast<int64_t>(k) * strides[1]);
@@ -411,7 +430,10 @@ __device__ __forceinline__ uint32_t tokenPieces(const Geometry& g) {
 // Send half, payload. Work unit = (token, piece of 32 * unitVectors(g) vectors), so a decode-sized batch spreads over
 // many warps; each unit issues all its loads (expert indices, payload vectors, scales) before the first store, so a
 // unit costs one memory latency, then its stores go out once per destination *rank*. `destMask`: the ranks this call
-// may store into (the fused kernel leaves its own rank out).
+// may store into (the fused kernel leaves its own rank out). `kFilter`: which slots (SlotFilter; the fused kernel
+// splits pull mode's pushed and staged slots between two groups of blocks). A template argument, so push mode's loop
+// is the plain one.
+template <int kFilter>
 __device__ void dispatchPayload(const DispatchKernelArgs& a, uint32_t n, uint32_t warpId, uint32_t numWarps,
                                 uint32_t destMask) {
   const Geometry& g = a.g;
@@ -419,8 +441,8 @@ __device__ void dispatchPayload(const DispatchKernelArgs& a, uint32_t n, uint32_
   const uint32_t K = g.topK, L = g.numLocalExperts, D = g.dpSize;
   const uint32_t units = g.hiddenBytes / 16, scaleWords = g.scaleBytes / 4;
   const uint32_t pieces = tokenPieces(g);
-  for (uint32_t wu = warpId; wu < n * pieces; wu += numWarps) {
-    const uint32_t j = wu / pieces, piece = wu % pieces;
+  for (uint32_t wu = warpId; wu < filteredSlots(g, n, kFilter) * pieces; wu += numWarps) {
+    const uint32_t j = filteredSlot(g, wu / pieces, kFilter), piece = wu % pieces;
     const uint32_t t = j * D + g.rank % D;
     const uint8_t* src = a.x + static_cast<int64_t>(t) * a.xRowStrideBytes;
     int64_t e0 = -1;
@@ -454,8 +476,8 @@ __device__ void dispatchPayload(const DispatchKernelArgs& a, uint32_t n, uint32_
     }
     ranks = __reduce_or_sync(0xffffffffu, ranks) & destMask;
     if (ranks == 0) continue;
-    // Pull: one copy, into this rank's own slot, which every receiver of the token reads.
-    if (g.pull) ranks = 1u << g.rank;
+    // Pull (all but the pushed share): one copy, into this rank's own slot, which every receiver of the token reads.
+    if (!pushedSlot(g, j)) ranks = 1u << g.rank;
     const uint64_t slotOff = g.offPayload + (static_cast<uint64_t>(g.rank) * g.slotsPerSender + j) * g.slotBytes;
     for (uint32_t m = ranks; m != 0; m &= m - 1) {
       uint8_t* dst = reinterpret_cast<uint8_t*>(a.peers[__ffs(m) - 1]) + slotOff;
@@ -495,8 +517,16 @@ enum ExpandMode : int {
 // Expands received tokens into their expert rows (HBM to HBM, local). Work unit = (sender, token, piece) as in
 // dispatchPayload, over the tokens actually sent (rt.tokens); the unit's loads (routing entries, payload vectors,
 // scales) are issued together before its stores. `nOwn`: this rank's token count (kExpandOwn).
-__device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, int mode, uint32_t nOwn, uint32_t warpId,
-                             uint32_t numWarps, uint32_t round) {
+// Schedule: static (units warpId, warpId + numWarps, ...), or with kDynamic from `queue`, a counter shared by every
+// warp of the schedule: lane 0 takes the next unit and asks for the following one while the current one runs, so
+// the atomic's round trip overlaps the work. A static split ends when its slowest warp does: at prefill the units
+// differ (1 to K expert rows per token) and the fused kernel's own-token blocks join the peers' tokens late (trace:
+// exits over 73-133 us); with queues the warps that finish early take over the rest instead of idling. Decode keeps
+// the static split (one or two units per warp; the first would wait for an atomic). A compile-time choice, so the
+// static loop is the code it was (with both in one loop, decode dispatch measured ~1 us slower).
+template <bool kDynamic>
+__device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, int mode, uint32_t nOwn, uint32_t* queue,
+                             uint32_t warpId, uint32_t numWarps, uint32_t round) {
   const Geometry& g = a.g;
   char* local = a.peers[g.rank];
   const uint32_t L = g.numLocalExperts, K = g.topK, W = g.worldSize, Ts = g.slotsPerSender, D = g.dpSize;
@@ -516,7 +546,12 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
     return unpackEntry(v);
   };
   const uint32_t total = (mode == kExpandOwn ? nOwn : sentTokens(rt, W, skip)) * pieces;
-  for (uint32_t wu = warpId; wu < total; wu += numWarps) {
+  const bool leader = lane == 0;
+  uint32_t wu = warpId;
+  if constexpr (kDynamic) wu = __shfl_sync(0xffffffffu, leader ? atomicAdd(queue, 1u) : 0u, 0);
+  while (wu < total) {
+    uint32_t next = wu + numWarps;
+    if constexpr (kDynamic) next = leader ? atomicAdd(queue, 1u) : 0u;
     const uint32_t item = wu / pieces, piece = wu % pieces;
     uint32_t s = g.rank, j = item;
     if (mode != kExpandOwn) sentItem(rt, W, skip, item, s, j);
@@ -529,8 +564,8 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
       scaleSrc = a.xScale + t * a.xScaleStrideBytes[0];
       scaleStride = a.xScaleStrideBytes[1];
     } else {
-      // Pull: sender s staged the token in its own region (read over NVLink); push: it stored it into ours.
-      const char* region = g.pull ? a.peers[s] : local;
+      // Pulled slot: sender s staged the token in its own region (read over NVLink); pushed: it stored it into ours.
+      const char* region = pushedSlot(g, j) ? local : a.peers[s];
       src = reinterpret_cast<const uint8_t*>(region + g.offPayload) + (static_cast<uint64_t>(s) * Ts + j) * g.slotBytes;
       scaleSrc = src + g.hiddenBytes;
       scaleStride = 4;
@@ -584,6 +619,8 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
         }
       }
     }
+    if constexpr (kDynamic) next = __shfl_sync(0xffffffffu, next, 0);
+    wu = next;
   }
 }
 
@@ -600,24 +637,33 @@ __device__ bool ownBlocksJoin(const Geometry& g, const RowTables& rt, uint32_t f
 
 // Fused dispatch with roles, so this rank's own tokens never wait for NVLink (R = g.routeBlocks):
 //   blocks [0, R)         routing scan (entries and counts as tagged words in every rank), signal "dispatch";
-//   blocks [R, R + P)     copy this rank's tokens to the *other* ranks' staging, signal "dispatch";
-//   blocks [R + P, B)     signal "dispatch" at once (they store nothing into peers), poll every rank's counts,
-//                         expand this rank's own tokens straight from x (HBM to HBM, overlapping the NVLink copy);
+//   blocks [R, R + P)     copy this rank's tokens to the *other* ranks' staging (pull mode: all but the pushed
+//                         share, into this rank's own staging), signal "dispatch";
+//   blocks [R + P, B)     push mode: signal "dispatch" at once (they store nothing into peers); pull mode: push the
+//                         pushed share into the peers first, then signal. Poll every rank's counts, expand this
+//                         rank's own tokens straight from x (HBM to HBM, overlapping the NVLink copy);
 //   blocks [0, R + P)     then poll every rank's counts, build the row tables, wait for the other ranks'
 //                         "dispatch" flags and expand their tokens from staging.
-// The own-token blocks take part in the peers' expansion only when it is large (ownBlocksJoin): as one of the last
-// steps of every block it had them start their share only after their own tokens, and they finished last (trace,
-// decode T = 128: exit of the last block 18 us against 12-14 us for the others). Their count (dispatchKernel) is
+// The own-token blocks take part in the peers' expansion only when it is large (ownBlocksJoin; both expansions then
+// run on dynamic schedules): as one of the last steps of every block it had them start their share only after their
+// own tokens, and they finished last (trace, decode T = 128: exit of the last block 18 us against 12-14 us for the
+// others). Their count (dispatchKernel) is
 // about (B - R) / W, the own tokens' share of the expansion. Own staging slots are not written (nothing else reads
 // them). `sendRound`: this send's number (1-based).
 __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32_t n, uint32_t round,
                               uint32_t sendRound, uint32_t payloadBlocks) {
   const Geometry& g = a.g;
-  const uint32_t W = g.worldSize, B = gridDim.x, R = g.routeBlocks;
+  const uint32_t B = gridDim.x, R = g.routeBlocks;
   char* local = a.peers[g.rank];
   const uint32_t firstLocal = R + payloadBlocks;
   const uint32_t peerRanks = allRanksMask(g) & ~(1u << g.rank);
   if (blockIdx.x >= firstLocal) {
+    // Pull mode: these blocks push the pushed share of this rank's tokens into the peers, while the routes are not
+    // yet in (prefill: ~20 us in which they only waited) and the payload blocks stage the rest locally.
+    if (g.pull && g.pushQuarters > 0) {
+      dispatchPayload<kPushedSlots>(a, n, spreadWarp(blockIdx.x - firstLocal, B - firstLocal),
+                                    (B - firstLocal) * kWarps, peerRanks);
+    }
     signalAllRanks(a.peers, g, kFlagDispatch);
     // Every rank's counts for this rank's experts, polled as they land (tagged words): no route flag.
     const RowTables rt = computeRows(local, g, smem, a.packed != 0, a.padding, round, a.st);
@@ -626,17 +672,22 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
     if (blockIdx.x == firstLocal) {
       for (uint32_t le = threadIdx.x; le < g.numLocalExperts; le += blockDim.x) a.outNumTokens[le] = rt.total[le];
     }
-    expandTokens(a, rt, kExpandOwn, n, spreadWarp(blockIdx.x - firstLocal, B - firstLocal), (B - firstLocal) * kWarps,
-                 round);
+    // When they join the peers' expansion (prefill) both expansions run on dynamic schedules (expandTokens).
+    const uint32_t ownWarp = spreadWarp(blockIdx.x - firstLocal, B - firstLocal), ownWarps = (B - firstLocal) * kWarps;
+    if (!ownBlocksJoin(g, rt, firstLocal)) {
+      expandTokens<false>(a, rt, kExpandOwn, n, nullptr, ownWarp, ownWarps, round);
+      tracePoint(a.st, kTrOwnDone);
+      return;
+    }
+    expandTokens<true>(a, rt, kExpandOwn, n, queueOf(a.st, kQueueDispatchOwn, round), ownWarp, ownWarps, round);
     tracePoint(a.st, kTrOwnDone);
-    if (!ownBlocksJoin(g, rt, firstLocal)) return;
     // The row tables are still in smem (expandTokens only reads them).
     if (!waitRanks(local, g, kFlagDispatch, peerRanks, static_cast<uint64_t>(round) * g.blocks, a.st,
                    kPhaseDispatchRecv)) {
       return;
     }
     tracePoint(a.st, kTrPeersIn);
-    expandTokens(a, rt, kExpandPeers, n, spreadWarp(blockIdx.x, B), B * kWarps, round);
+    expandTokens<true>(a, rt, kExpandPeers, n, queueOf(a.st, kQueueDispatchPeers, round), 0, 0, round);
     return;
   }
   if (blockIdx.x < R) {
@@ -645,7 +696,12 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
     signalAllRanks(a.peers, g, kFlagDispatch);  // its share of the B dispatch increments; the routes are tagged
     tracePoint(a.st, kTrRouteSignalled);
   } else {
-    dispatchPayload(a, n, spreadWarp(blockIdx.x - R, payloadBlocks), payloadBlocks * kWarps, peerRanks);
+    const uint32_t warp = spreadWarp(blockIdx.x - R, payloadBlocks), warps = payloadBlocks * kWarps;
+    if (g.pull) {
+      dispatchPayload<kPulledSlots>(a, n, warp, warps, peerRanks);
+    } else {
+      dispatchPayload<kAllSlots>(a, n, warp, warps, peerRanks);
+    }
     tracePoint(a.st, kTrStored);
     signalAllRanks(a.peers, g, kFlagDispatch);
     tracePoint(a.st, kTrSignalled);
@@ -661,9 +717,10 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
   }
   tracePoint(a.st, kTrPeersIn);
   if (ownBlocksJoin(g, rt, firstLocal)) {
-    expandTokens(a, rt, kExpandPeers, n, spreadWarp(blockIdx.x, B), B * kWarps, round);
+    expandTokens<true>(a, rt, kExpandPeers, n, queueOf(a.st, kQueueDispatchPeers, round), 0, 0, round);
   } else {
-    expandTokens(a, rt, kExpandPeers, n, spreadWarp(blockIdx.x, firstLocal), firstLocal * kWarps, round);
+    expandTokens<false>(a, rt, kExpandPeers, n, nullptr, spreadWarp(blockIdx.x, firstLocal), firstLocal * kWarps,
+                        round);
   }
 }
 
@@ -685,6 +742,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
       const uint32_t seqSend = a.st.seq[kSeqDispatchSend * B + blockIdx.x];
       const uint32_t round = a.st.seq[kSeqDispatchRecv * B + blockIdx.x] + 1;
       const uint32_t n = numTokensSentBy(g.rank, effectiveBound(a.boundM, a.m), g.dpSize);
+      clearNextQueues(a.st, round);
       fusedDispatch(a, smem, n, round, seqSend + 1, payloadBlocks);
       __syncthreads();
       tracePoint(a.st, kTrExit);
@@ -698,6 +756,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
   if constexpr (kSend) {
     const uint32_t seq = a.st.seq[kSeqDispatchSend * B + blockIdx.x];
     const uint32_t n = numTokensSentBy(g.rank, effectiveBound(a.boundM, a.m), g.dpSize);
+    clearNextQueues(a.st, seq + 1);
     const uint32_t R = g.routeBlocks;
     const bool router = blockIdx.x < R;
     if (router) {
@@ -707,7 +766,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
     if (!router || B <= R) {  // B <= R only when B == 1: that block also copies
       const uint32_t payloadBlocks = B > R ? B - R : B;
       const uint32_t blk = B > R ? blockIdx.x - R : blockIdx.x;
-      dispatchPayload(a, n, spreadWarp(blk, payloadBlocks), payloadBlocks * kWarps, allRanksMask(g));
+      dispatchPayload<kAllSlots>(a, n, spreadWarp(blk, payloadBlocks), payloadBlocks * kWarps, allRanksMask(g));
       tracePoint(a.st, kTrStored);
     }
     // Routing blocks too: their entries and counts are tagged words, but the receivers' dispatch flag counts B.
@@ -728,7 +787,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
     if (blockIdx.x == 0) {
       for (uint32_t le = threadIdx.x; le < g.numLocalExperts; le += blockDim.x) a.outNumTokens[le] = rt.total[le];
     }
-    expandTokens(a, rt, kExpandAll, 0, spreadWarp(blockIdx.x, B), B * kWarps, seq);
+    // Prefill-sized rounds on a dynamic schedule (expandTokens); the send kernel of this round cleared nothing this
+    // queue uses: it clears round seq + 1's, and the fused kernel, its only other user, does not run this round.
+    if (static_cast<uint64_t>(sentTokens(rt, g.worldSize, g.worldSize)) * tokenPieces(g) >
+        static_cast<uint64_t>(kJoinUnitsPerWarp) * B * kWarps) {
+      expandTokens<true>(a, rt, kExpandAll, 0, queueOf(a.st, kQueueDispatchPeers, seq), 0, 0, seq);
+    } else {
+      expandTokens<false>(a, rt, kExpandAll, 0, nullptr, spreadWarp(blockIdx.x, B), B * kWarps, seq);
+    }
     __syncthreads();
     tracePoint(a.st, kTrExit);
     if (threadIdx.x == 0) a.st.seq[kSeqDispatchRecv * B + blockIdx.x] = seq;

@@ -71,10 +71,42 @@ struct Geometry {
   uint32_t routeBlocks;     ///< R: blocks sharing the routing scan (R route signals per sender per round)
   uint32_t routeChunk;      ///< tokens per routing block, a multiple of kThreads
   uint32_t pull;            ///< 1: a sender stages its tokens in its own region and receivers read them over NVLink
+  uint32_t pushQuarters;    ///< pull mode: slots j with j % 4 < pushQuarters are pushed into the receivers anyway
+                            ///< (0-4; 0 in push mode)
   uint64_t offFlags, offNumTokens, offCounts, offRoute, offPayload, offWeights, offPartials, totalBytes;
 };
 
 EPCOMM_HD uint64_t align256(uint64_t x) { return roundUpPow2(x, 256); }
+
+/// Whether sender slot j travels by push (stored into the receivers' regions) rather than by pull: every slot in
+/// push mode, slots j % 4 < pushQuarters in pull mode.
+EPCOMM_HD bool pushedSlot(const Geometry& g, uint32_t j) { return g.pull == 0 || j % 4 < g.pushQuarters; }
+
+/// Which of a sender's n slots one copy pass handles: all of them, or in pull mode only the pushed or the pulled ones.
+enum SlotFilter : int { kAllSlots = 0, kPushedSlots = 1, kPulledSlots = 2 };
+
+/// The slots j % 4 in [first, first + quarters) of filter `f` (pull mode).
+EPCOMM_HD void slotQuarters(const Geometry& g, int f, uint32_t& first, uint32_t& quarters) {
+  first = f == kPulledSlots ? g.pushQuarters : 0;
+  quarters = f == kPulledSlots ? 4 - g.pushQuarters : g.pushQuarters;
+}
+
+/// Number of slots j < n that filter `f` selects.
+EPCOMM_HD uint32_t filteredSlots(const Geometry& g, uint32_t n, int f) {
+  if (f == kAllSlots) return n;
+  uint32_t first = 0, quarters = 0;
+  slotQuarters(g, f, first, quarters);
+  const uint32_t rest = n % 4 > first ? n % 4 - first : 0;
+  return (n / 4) * quarters + (rest < quarters ? rest : quarters);
+}
+
+/// The i-th slot (ascending) that filter `f` selects.
+EPCOMM_HD uint32_t filteredSlot(const Geometry& g, uint32_t i, int f) {
+  if (f == kAllSlots) return i;
+  uint32_t first = 0, quarters = 0;
+  slotQuarters(g, f, first, quarters);
+  return (i / quarters) * 4 + first + i % quarters;
+}
 
 /// Whether every routing entry fits packEntry(): positions below 2^16 (Ts <= 65536) and local experts below 0x7FFF.
 inline bool fitsTaggedEntries(const Geometry& g) { return g.slotsPerSender <= 65536u && g.numLocalExperts < 0x7FFFu; }
@@ -91,7 +123,9 @@ EPCOMM_HD uint64_t routeIndex(uint32_t K, uint32_t Ts, uint32_t s, uint32_t j, u
 /// when a sender's batch has at least one 4 KiB work unit per warp of the kernel (prefill), where the receivers'
 /// expansion of the peers' tokens would otherwise start only after the whole NVLink copy landed; push for small
 /// batches (decode), where the copy is short and a read over NVLink would add its latency to every unit.
-inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1) {
+/// `pushQuarters` (pull mode): quarters of every sender's slots pushed all the same, -1 automatic (1): they cross
+/// NVLink while the rest is staged locally, which the link would otherwise wait for.
+inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1, int pushQuarters = -1) {
   Geometry g{};
   g.worldSize = c.worldSize;
   g.rank = c.rank;
@@ -116,6 +150,7 @@ inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1
   const uint64_t fullUnits = ceilDiv(c.hiddenDimBytes > 0 ? c.hiddenDimBytes : 1, 4096) * g.slotsPerSender;
   const bool pull = pullMode >= 0 ? pullMode != 0 : fullUnits >= static_cast<uint64_t>(blocks) * kWarps;
   g.pull = c.worldSize > 1 && pull ? 1 : 0;
+  g.pushQuarters = g.pull ? static_cast<uint32_t>(pushQuarters < 0 ? 1 : pushQuarters > 4 ? 4 : pushQuarters) : 0;
   const uint64_t W = c.worldSize, Ts = g.slotsPerSender, K = c.expertsPerToken;
   uint64_t off = 0;
   g.offFlags = off;
@@ -137,8 +172,12 @@ inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1
 }
 
 /// Device memory beside the peer-mapped region (not shared): the per-block round counters u32 [4][B] followed by
-/// 256 bytes whose first word is the error claim, and the routing blocks' arrival counter (256 bytes) followed by
-/// their histograms i32 [R][E].
+/// 256 bytes whose first word is the error claim and whose bytes [kQueueOffset, kQueueOffset + 32) are the work
+/// queues u32 [kQueues][2], and the routing blocks' arrival counter (256 bytes) followed by their histograms
+/// i32 [R][E].
+constexpr uint32_t kQueues = 2;
+constexpr uint32_t kQueueOffset = 64;
+static_assert(kQueueOffset + kQueues * 2 * sizeof(uint32_t) <= 256, "work queues must fit the counters' tail");
 inline uint64_t roundCounterBytes(const Geometry& g) { return 4ull * g.blocks * sizeof(uint32_t) + 256; }
 inline uint64_t routeScratchBytes(const Geometry& g) {
   return 256 + static_cast<uint64_t>(g.routeBlocks) * g.numExperts * 4;

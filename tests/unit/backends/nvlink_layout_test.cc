@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <set>
 #include <vector>
 
@@ -30,6 +31,36 @@ TEST(NvlinkLayout, PullOnlyForLargeBatchesOnSeveralRanks) {
   EXPECT_EQ(nvlink::makeGeometry(make(128, 2, 8), 66, 1).pull, 1u);
   EXPECT_EQ(nvlink::makeGeometry(make(4096, 2, 8), 132, 0).pull, 0u);
   EXPECT_EQ(nvlink::makeGeometry(make(128, 1, 8), 66, 1).pull, 0u);
+}
+
+// Pull mode pushes a share of every sender's slots all the same (slots j % 4 < pushQuarters; automatic: 1); push mode
+// pushes every slot. The slot filters split a sender's n slots into the pushed and the pulled ones, each exactly
+// once and in ascending order, for every n and share.
+TEST(NvlinkLayout, PullModePushesAShareOfTheSlots) {
+  EXPECT_EQ(nvlink::makeGeometry(make(4096, 2, 8), 132).pushQuarters, 1u);
+  EXPECT_EQ(nvlink::makeGeometry(make(4096, 2, 8), 132, -1, 3).pushQuarters, 3u);
+  EXPECT_EQ(nvlink::makeGeometry(make(4096, 2, 8), 132, -1, 9).pushQuarters, 4u);
+  EXPECT_EQ(nvlink::makeGeometry(make(128, 2, 8), 66).pushQuarters, 0u);
+  const nvlink::Geometry push = nvlink::makeGeometry(make(128, 2, 8), 66);
+  for (uint32_t j = 0; j < 8; ++j) EXPECT_TRUE(nvlink::pushedSlot(push, j));
+  EXPECT_EQ(nvlink::filteredSlots(push, 37, nvlink::kAllSlots), 37u);
+  for (uint32_t q = 0; q <= 4; ++q) {
+    const nvlink::Geometry g = nvlink::makeGeometry(make(4096, 2, 8), 132, 1, static_cast<int>(q));
+    for (uint32_t n : {0u, 1u, 2u, 3u, 4u, 5u, 7u, 8u, 13u, 4096u}) {
+      std::vector<uint32_t> pushed, pulled;
+      for (uint32_t i = 0; i < nvlink::filteredSlots(g, n, nvlink::kPushedSlots); ++i) {
+        pushed.push_back(nvlink::filteredSlot(g, i, nvlink::kPushedSlots));
+      }
+      for (uint32_t i = 0; i < nvlink::filteredSlots(g, n, nvlink::kPulledSlots); ++i) {
+        pulled.push_back(nvlink::filteredSlot(g, i, nvlink::kPulledSlots));
+      }
+      std::vector<uint32_t> wantPushed, wantPulled;
+      for (uint32_t j = 0; j < n; ++j) (nvlink::pushedSlot(g, j) ? wantPushed : wantPulled).push_back(j);
+      EXPECT_EQ(pushed, wantPushed) << "q = " << q << ", n = " << n;
+      EXPECT_EQ(pulled, wantPulled) << "q = " << q << ", n = " << n;
+      EXPECT_EQ(wantPushed.size(), (n / 4) * q + std::min(n % 4, q)) << "q = " << q << ", n = " << n;
+    }
+  }
 }
 
 TEST(NvlinkLayout, RoutingBlocksFollowTheTokenCount) {
