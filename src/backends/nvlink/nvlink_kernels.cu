@@ -603,7 +603,15 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
 #pragma unroll
         for (int i = 0; i < kUnroll; ++i) {
           const uint32_t u = u0 + i * 32;
-          if (i < vpl && u < units) st16(dst + static_cast<uint64_t>(u) * 16, v[i]);
+          if (i < vpl && u < units) {
+            // Prefill-sized rounds: the rows are not read again here, so streaming stores (evict first) leave
+            // L2 to the staged tokens that the peers still pull.
+            if constexpr (kDynamic) {
+              __stcs(reinterpret_cast<int4*>(dst + static_cast<uint64_t>(u) * 16), v[i]);
+            } else {
+              st16(dst + static_cast<uint64_t>(u) * 16, v[i]);
+            }
+          }
         }
         if (scales) {
           const int64_t so = __shfl_sync(0xffffffffu, scaleOff, b);
@@ -828,6 +836,23 @@ struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
 
+// A Vec read once (expertY in combine-send, the partials in combine-recv): streaming loads (ld.global.cs, evict
+// first), so ~0.5 GB of expertY per prefill call does not push out of L2 the partials that the receive pass reads
+// back.
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> loadOnce(const T* p) {
+  Vec<T, N> x;
+  if constexpr (sizeof(x) == 8) {
+    *reinterpret_cast<int2*>(&x) = __ldcs(reinterpret_cast<const int2*>(p));
+  } else {
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(sizeof(x) / 16); ++i) {
+      reinterpret_cast<int4*>(&x)[i] = __ldcs(reinterpret_cast<const int4*>(p) + i);
+    }
+  }
+  return x;
+}
+
 template <typename T, int N>
 __device__ __forceinline__ void loadF(const T* p, float* out) {
   Vec<T, N> x = *reinterpret_cast<const Vec<T, N>*>(p);
@@ -945,7 +970,7 @@ __device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt,
 #pragma unroll
         for (int c = 0; c < kChunkU; ++c) {
           const uint32_t u = u0 + c * 32;
-          if (u < units) loadF<PT, N>(y + off + static_cast<int64_t>(u) * N, yv[c]);
+          if (u < units) toF<PT, N>(loadOnce<PT, N>(y + off + static_cast<int64_t>(u) * N), yv[c]);
         }
 #pragma unroll
         for (int c = 0; c < kChunkU; ++c) {
@@ -1017,13 +1042,13 @@ __device__ void combineRecvBody(const CombineKernelArgs& a) {
 #pragma unroll
       for (int c = 0; c < kChunkU; ++c) {
         const uint32_t u = u0 + c * 32;
-        if (u < units) r1[c] = *reinterpret_cast<const Vec<PT, N>*>(p1 + static_cast<uint64_t>(u) * N);
+        if (u < units) r1[c] = loadOnce<PT, N>(p1 + static_cast<uint64_t>(u) * N);
       }
       if (two) {
 #pragma unroll
         for (int c = 0; c < kChunkU; ++c) {
           const uint32_t u = u0 + c * 32;
-          if (u < units) r2[c] = *reinterpret_cast<const Vec<PT, N>*>(p2 + static_cast<uint64_t>(u) * N);
+          if (u < units) r2[c] = loadOnce<PT, N>(p2 + static_cast<uint64_t>(u) * N);
         }
       }
 #pragma unroll
