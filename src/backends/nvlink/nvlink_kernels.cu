@@ -1003,7 +1003,9 @@ __device__ void combineRecvBody(const CombineKernelArgs& a) {
   OT* out = reinterpret_cast<OT*>(a.out);
   const uint32_t chunks = static_cast<uint32_t>(ceilDiv(units, 32 * kChunkU));
   for (uint32_t wu = warpId; wu < bound * chunks; wu += numWarps) {
-    const uint32_t t = wu / chunks, chunk = wu % chunks;
+    // Tokens in descending order: the send pass stored the partials in ascending order, so the last ones stored (the
+    // ones L2 still holds at prefill, where the partials are twice its size) are read first.
+    const uint32_t t = bound - 1 - wu / chunks, chunk = wu % chunks;
     uint32_t ranks = 0;
     for (uint32_t k = lane; k < g.topK; k += 32) {
       int64_t e = loadIndex(a.indices, a.indexKind, a.indexStrides, t, k);
