@@ -523,7 +523,8 @@ enum ExpandMode : int {
 // differ (1 to K expert rows per token) and the fused kernel's own-token blocks join the peers' tokens late (trace:
 // exits over 73-133 us); with queues the warps that finish early take over the rest instead of idling. Decode keeps
 // the static split (one or two units per warp; the first would wait for an atomic). A compile-time choice, so the
-// static loop is the code it was (with both in one loop, decode dispatch measured ~1 us slower).
+// static loop is the code it was (decode dispatch measured ~0.5-1 us slower in every build with the queues, this
+// one included; why is open: docs/nvlink.md, eighth pass).
 template <bool kDynamic>
 __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, int mode, uint32_t nOwn, uint32_t* queue,
                              uint32_t warpId, uint32_t numWarps, uint32_t round) {
@@ -655,9 +656,8 @@ __device__ bool ownBlocksJoin(const Geometry& g, const RowTables& rt, uint32_t f
 // The own-token blocks take part in the peers' expansion only when it is large (ownBlocksJoin; both expansions then
 // run on dynamic schedules): as one of the last steps of every block it had them start their share only after their
 // own tokens, and they finished last (trace, decode T = 128: exit of the last block 18 us against 12-14 us for the
-// others). Their count (dispatchKernel) is
-// about (B - R) / W, the own tokens' share of the expansion. Own staging slots are not written (nothing else reads
-// them). `sendRound`: this send's number (1-based).
+// others). Their count (dispatchKernel) is about (B - R) / W, the own tokens' share of the expansion. Own staging
+// slots are not written (nothing else reads them). `sendRound`: this send's number (1-based).
 __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32_t n, uint32_t round,
                               uint32_t sendRound, uint32_t payloadBlocks) {
   const Geometry& g = a.g;
