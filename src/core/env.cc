@@ -13,7 +13,9 @@ namespace epcomm {
 const std::vector<EnvVar>& envVars() {
   static const std::vector<EnvVar> vars = {
       {"EPCOMM_LOG_LEVEL", "warn", "error, warn, info or debug"},
-      {"EPCOMM_TIMEOUT_MS", "10000", "bound of every wait (host and GPU); a timeout names the peer and phase"},
+      {"EPCOMM_TIMEOUT_MS", "10000",
+       "bound of every wait (host and GPU; the nvlink kernels give a wait on their own rank's blocks twice that, so "
+       "the error names the peer that held them up); a timeout names the peer and phase"},
       {"EPCOMM_BOOTSTRAP", "", "host:port of rank 0's TCP rendezvous"},
       {"EPCOMM_RANK", "-1", "this process's rank for the TCP rendezvous"},
       {"EPCOMM_WORLD_SIZE", "-1", "number of ranks for the TCP rendezvous"},
