@@ -22,7 +22,7 @@ struct DeviceState {
   /// polled like a flag).
   int32_t* routeScratch;
   uint64_t* routeArrived;
-  /// Work-unit counters of the dynamic schedules u32 [kQueues][2], by round parity (see forEachUnit).
+  /// Work-unit counters of the dynamic schedules u32 [kQueues][2], by round parity (see expandTokens).
   uint32_t* queues;
   /// Diagnostics (EPCOMM_NVLINK_TRACE): [blocks][kTracePhases] %globaltimer stamps of this launch, or null. Thread 0
   /// of each block stamps the phases it passes (see TracePhase); nvlink_trace.cc summarises them.
