@@ -64,6 +64,7 @@
 void epcommBenchSpin(cudaStream_t stream, unsigned nanoseconds);
 void epcommBenchFillNearOne(cudaStream_t stream, uint16_t* y, uint64_t n, uint64_t seed);
 void epcommBenchEmpty(cudaStream_t stream, int blocks);
+void epcommBenchEmptyLike(cudaStream_t stream, int blocks, unsigned smemBytes);
 void epcommBenchFlagPing(cudaStream_t stream, int blocks, uint64_t* nextFlag, const uint64_t* myFlag, uint64_t round);
 void epcommBenchStoreProbe(cudaStream_t stream, int blocks, char* dst, int n, int stride, uint64_t* out);
 
@@ -229,7 +230,8 @@ struct Tensors {
 struct Measurement {
   double dispatch = -1, combine = -1, dSend = -1, dRecv = -1, cSend = -1, cRecv = -1, dDev = -1, cDev = -1;
   double nccl = -1, ncclPplx = -1;
-  double fabricA2a = -1;  // host backend: dense all-to-all of the same bytes over the same fabric provider
+  double fabricA2a = -1;          // host backend: dense all-to-all of the same bytes over the same fabric provider
+  double dHost = -1, cHost = -1;  // eager, GPU: host time spent inside the dispatch / combine call (median)
 };
 
 class Bench {
@@ -386,6 +388,10 @@ class Bench {
     uint64_t round = 0;
     auto ping = [&] { epcommBenchFlagPing(stream_, blocks, static_cast<uint64_t*>(nextFlags), flags, ++round); };
     const double empty = agree(timeIt([&] { epcommBenchEmpty(stream_, blocks); }, false));
+    // The same empty launch with 512 bytes of parameters and 34 KB of dynamic shared memory (decode's dispatch:
+    // ~440 bytes of arguments, 33.8 KB of routing tables): what the launch itself adds for a kernel of that shape.
+    constexpr unsigned kLikeSmem = 34u << 10;
+    const double emptyLike = agree(timeIt([&] { epcommBenchEmptyLike(stream_, blocks, kLikeSmem); }, false));
     const double flag = agree(timeIt(ping, false));
     const double flagDevice = agree(timeIt(ping, true));
     // Store probe: in-kernel time of thread 0's 8 stores (issue) and of the system fence after them, into the next
@@ -411,15 +417,16 @@ class Bench {
     BENCH_CUDA(cudaFree(flags));
     if (rank_ != 0) return;
     std::printf(
-        "# floor (%d blocks of 512 threads, median, max over ranks): empty kernel %.1f us; one flag each way %.1f us"
-        " eager, %.1f us device-only\n"
+        "# floor (%d blocks of 512 threads, median, max over ranks): empty kernel %.1f us (%.1f us with 512 B of"
+        " parameters and %u KB of shared memory); one flag each way %.1f us eager, %.1f us device-only\n"
         "# store probe (one thread, 8 x 16 B, 2 KB apart; in-kernel us): into the peer %.2f issue + %.2f fence; into"
         " the own GPU %.2f issue + %.2f fence\n",
-        blocks, empty, flag, flagDevice, peerStores.first, peerStores.second, ownStores.first, ownStores.second);
+        blocks, empty, emptyLike, kLikeSmem >> 10, flag, flagDevice, peerStores.first, peerStores.second,
+        ownStores.first, ownStores.second);
     std::fflush(stdout);
     std::ostringstream f;
     f << "{\"bench\":\"epcomm-floor\",\"world\":" << world_ << ",\"blocks\":" << blocks << ",\"empty_us\":" << empty
-      << ",\"flag_us\":" << flag << ",\"flag_device_us\":" << flagDevice
+      << ",\"empty_like_us\":" << emptyLike << ",\"flag_us\":" << flag << ",\"flag_device_us\":" << flagDevice
       << ",\"peer_store_issue_us\":" << peerStores.first << ",\"peer_store_fence_us\":" << peerStores.second
       << ",\"own_store_issue_us\":" << ownStores.first << ",\"own_store_fence_us\":" << ownStores.second
       << ",\"iters\":" << o_.iters << ",\"rev\":\"" << gitRev(o_) << "\",\"machine\":\"" << machine_ << "\"}\n";
@@ -427,8 +434,10 @@ class Bench {
   }
 
   // Times `fn` per iteration: barrier + device sync, then events around the call (or a steady clock on the host).
+  // With events, hostUs_ receives the host time spent inside `fn` (from an idle GPU it is part of the event time).
   std::vector<double> timeIt(const std::function<void()>& fn, bool spinFirst, const std::function<void()>& after = {}) {
     std::vector<double> us;
+    hostUs_.clear();
     cudaEvent_t e0 = nullptr, e1 = nullptr;
     if (!hostMode_) {
       BENCH_CUDA(cudaEventCreate(&e0));
@@ -444,8 +453,11 @@ class Bench {
       } else {
         if (spinFirst) epcommBenchSpin(stream_, 20000);
         BENCH_CUDA(cudaEventRecord(e0, stream_));
+        const auto h0 = std::chrono::steady_clock::now();
         fn();
+        const double host = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count();
         BENCH_CUDA(cudaEventRecord(e1, stream_));
+        if (i >= o_.warmup) hostUs_.push_back(host);
         BENCH_CUDA(cudaEventSynchronize(e1));
         float ms = 0;
         BENCH_CUDA(cudaEventElapsedTime(&ms, e0, e1));
@@ -597,11 +609,15 @@ class Bench {
     auto dispatchOnce = [&] { a2a->dispatch(d); };
     auto combineOnce = [&] { a2a->combine(cb); };
     // Combine must follow a dispatch on the object: pairTimes alternates them and times each separately.
-    std::vector<double> dispatchSamples, combineSamples;
+    std::vector<double> dispatchSamples, combineSamples, dispatchHost, combineHost;
     phase("eager");
-    pairTimes(dispatchOnce, combineOnce, false, &dispatchSamples, &combineSamples);
+    pairTimes(dispatchOnce, combineOnce, false, &dispatchSamples, &combineSamples, &dispatchHost, &combineHost);
     eager.dispatch = agree(dispatchSamples);
     eager.combine = agree(combineSamples);
+    if (!hostMode_) {
+      eager.dHost = agree(dispatchHost);
+      eager.cHost = agree(combineHost);
+    }
     if (!hostMode_) {
       phase("device-only");
       pairTimes(dispatchOnce, combineOnce, true, &dispatchSamples, &combineSamples);
@@ -735,7 +751,7 @@ class Bench {
 
   // Alternating dispatch / combine, each timed separately (combine needs the dispatch before it).
   void pairTimes(const std::function<void()>& dfn, const std::function<void()>& cfn, bool spin, std::vector<double>* ds,
-                 std::vector<double>* cs) {
+                 std::vector<double>* cs, std::vector<double>* dHost = nullptr, std::vector<double>* cHost = nullptr) {
     ds->clear();
     cs->clear();
     const int iters = o_.iters, warm = o_.warmup;
@@ -744,10 +760,14 @@ class Bench {
     o_.warmup = 0;
     for (int i = 0; i < warm + iters; ++i) {
       std::vector<double> a = timeIt(dfn, spin);
+      const double ah = hostUs_.empty() ? -1 : hostUs_[0];
       std::vector<double> b = timeIt(cfn, spin);
+      const double bh = hostUs_.empty() ? -1 : hostUs_[0];
       if (i >= warm) {
         ds->push_back(a[0]);
         cs->push_back(b[0]);
+        if (dHost != nullptr && ah >= 0) dHost->push_back(ah);
+        if (cHost != nullptr && bh >= 0) cHost->push_back(bh);
       }
     }
     o_ = saved;
@@ -878,6 +898,10 @@ class Bench {
                 isGraph ? "-" : num(m.cSend).c_str(), isGraph ? "-" : num(m.cRecv).c_str(), num(m.dDev).c_str(),
                 num(m.cDev).c_str(), num(hostMode_ ? m.fabricA2a : m.nccl).c_str(), num(m.ncclPplx).c_str(),
                 num(dGb).c_str(), num(cGb).c_str());
+    if (m.dHost >= 0) {
+      std::printf("#   host time inside the eager calls (median, max over ranks): dispatch %.1f us, combine %.1f us\n",
+                  m.dHost, m.cHost);
+    }
     std::fflush(stdout);
     if (o_.json.empty() && !hostMode_) return;
     // Host: the JSON lines also go to stdout, after the table (hostJson_), as the issue asks of the main job.
@@ -894,6 +918,7 @@ class Bench {
       << ",\"combine_recv_us\":" << jnum(isGraph ? -1 : m.cRecv) << ",\"dispatch_device_us\":" << jnum(m.dDev)
       << ",\"combine_device_us\":" << jnum(m.cDev) << ",\"nccl_us\":" << jnum(m.nccl)
       << ",\"nccl_pplx_us\":" << jnum(m.ncclPplx);
+    if (m.dHost >= 0) f << ",\"dispatch_host_us\":" << jnum(m.dHost) << ",\"combine_host_us\":" << jnum(m.cHost);
     if (hostMode_)
       f << ",\"fabric_a2a_us\":" << jnum(m.fabricA2a) << ",\"fabric_provider\":\"" << fabricProvider_ << "\"";
     f << ",\"dispatch_bytes_per_rank\":" << static_cast<uint64_t>(bytes) << ",\"pplx_bytes_rank0\":" << bytesPplx
@@ -912,6 +937,7 @@ class Bench {
   int rank_ = 0, world_ = 1;
   bool hostMode_ = false;
   std::vector<std::string> hostJson_;  // host: JSON lines printed after the table
+  std::vector<double> hostUs_;         // GPU: host microseconds inside fn of the last timeIt, per timed iteration
   std::string fabricProvider_;         // host: provider of the fabric all-to-all baseline
   cudaStream_t stream_ = nullptr;
   std::string gpuName_ = "cpu", machine_;

@@ -18,6 +18,12 @@ __global__ void spinKernel(unsigned nanoseconds) {
 
 __global__ void emptyKernel() {}
 
+// As large a parameter block as the library's kernels pass (DispatchKernelArgs: ~440 bytes).
+struct LikeParams {
+  uint64_t words[64];
+};
+__global__ void emptyLikeKernel(const LikeParams) {}
+
 __global__ void fillNearOneKernel(uint16_t* y, uint64_t n, uint64_t seed) {
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
@@ -61,6 +67,12 @@ void epcommBenchFillNearOne(cudaStream_t stream, uint16_t* y, uint64_t n, uint64
 
 /// An empty kernel of `blocks` blocks of 512 threads.
 void epcommBenchEmpty(cudaStream_t stream, int blocks) { emptyKernel<<<blocks, 512, 0, stream>>>(); }
+
+/// An empty kernel of `blocks` blocks of 512 threads with 512 bytes of parameters and `smemBytes` (<= 48 KB) of
+/// dynamic shared memory.
+void epcommBenchEmptyLike(cudaStream_t stream, int blocks, unsigned smemBytes) {
+  emptyLikeKernel<<<blocks, 512, smemBytes, stream>>>(LikeParams{});
+}
 
 /// The one-flag exchange of --floor (see flagPingKernel), `blocks` blocks of 512 threads.
 void epcommBenchFlagPing(cudaStream_t stream, int blocks, uint64_t* nextFlag, const uint64_t* myFlag, uint64_t round) {
