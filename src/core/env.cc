@@ -65,7 +65,15 @@ int64_t envInt(const char* name) {
   return parsed;
 }
 
-static Env readEnv() {
+// envInt, checked to lie in [lo, hi].
+static int64_t envIntIn(const char* name, int64_t lo, int64_t hi) {
+  const int64_t v = envInt(name);
+  EPCOMM_CHECK(v >= lo && v <= hi, kInvalidArgument,
+               "environment variable " << name << "=" << v << " is out of range [" << lo << ", " << hi << "]");
+  return v;
+}
+
+Env readEnv() {
   Env e;
   e.logLevel = envString("EPCOMM_LOG_LEVEL");
   e.timeoutMs = envInt("EPCOMM_TIMEOUT_MS");
@@ -78,10 +86,10 @@ static Env readEnv() {
   e.fabricProvider = envString("EPCOMM_FABRIC_PROVIDER");
   e.privateTokens = envInt("EPCOMM_PRIVATE_TOKENS");
   e.proxyCpu = static_cast<int>(envInt("EPCOMM_PROXY_CPU"));
-  e.nvlinkBlocks = static_cast<int>(envInt("EPCOMM_NVLINK_BLOCKS"));
+  e.nvlinkBlocks = static_cast<int>(envIntIn("EPCOMM_NVLINK_BLOCKS", 0, 1 << 16));
   e.nvlinkTrace = envInt("EPCOMM_NVLINK_TRACE") != 0;
-  e.nvlinkPull = static_cast<int>(envInt("EPCOMM_NVLINK_PULL"));
-  e.nvlinkPushQuarters = static_cast<int>(envInt("EPCOMM_NVLINK_PUSH_QUARTERS"));
+  e.nvlinkPull = static_cast<int>(envIntIn("EPCOMM_NVLINK_PULL", -1, 1));
+  e.nvlinkPushQuarters = static_cast<int>(envIntIn("EPCOMM_NVLINK_PUSH_QUARTERS", -1, 4));
   for (char** p = environ; p != nullptr && *p != nullptr; ++p) {
     if (std::strncmp(*p, "EPCOMM_", 7) != 0) continue;
     std::string name(*p, std::strchr(*p, '=') != nullptr ? std::strchr(*p, '=') - *p : std::strlen(*p));

@@ -38,6 +38,10 @@ struct Env {
 /// The process-wide parsed environment (read on first call; thread-safe).
 const Env& env();
 
+/// Reads and checks the variables now, uncached (env() keeps the first result). Throws kInvalidArgument naming the
+/// variable for a value that is not an integer or outside its range.
+Env readEnv();
+
 /// Reads a variable by name through the table above (throws kInternal for a name not in the table).
 std::string envString(const char* name);
 int64_t envInt(const char* name);

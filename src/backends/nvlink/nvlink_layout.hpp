@@ -124,7 +124,8 @@ EPCOMM_HD uint64_t routeIndex(uint32_t K, uint32_t Ts, uint32_t s, uint32_t j, u
 /// expansion of the peers' tokens would otherwise start only after the whole NVLink copy landed; push for small
 /// batches (decode), where the copy is short and a read over NVLink would add its latency to every unit.
 /// `pushQuarters` (pull mode): quarters of every sender's slots pushed all the same, -1 automatic (1): they cross
-/// NVLink while the rest is staged locally, which the link would otherwise wait for.
+/// NVLink while the rest is staged locally, which the link would otherwise wait for. Values above 4 clamp to 4 here;
+/// EPCOMM_NVLINK_PUSH_QUARTERS outside [-1, 4] is already an error when the environment is read.
 inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1, int pushQuarters = -1) {
   Geometry g{};
   g.worldSize = c.worldSize;

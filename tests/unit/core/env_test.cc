@@ -1,0 +1,48 @@
+// The environment's numeric variables are checked: a value outside its range is an error naming the variable, not a
+// silent clamp.
+#include "core/env.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "expect_error.hpp"
+
+namespace epcomm {
+namespace {
+
+// Sets `name` for the scope of one check.
+struct ScopedEnv {
+  const char* name;
+  ScopedEnv(const char* n, const char* value) : name(n) { setenv(n, value, 1); }
+  ~ScopedEnv() { unsetenv(name); }
+};
+
+TEST(Env, OutOfRangeValuesAreErrors) {
+  struct Case {
+    const char* name;
+    const char* value;
+  };
+  for (const Case& c : {Case{"EPCOMM_NVLINK_PUSH_QUARTERS", "5"}, Case{"EPCOMM_NVLINK_PUSH_QUARTERS", "-2"},
+                        Case{"EPCOMM_NVLINK_PULL", "2"}, Case{"EPCOMM_NVLINK_BLOCKS", "-1"}}) {
+    ScopedEnv set(c.name, c.value);
+    testing::expectError([] { readEnv(); }, ErrorCode::kInvalidArgument, {c.name, c.value, "out of range"});
+  }
+  {
+    ScopedEnv set("EPCOMM_NVLINK_PUSH_QUARTERS", "two");
+    testing::expectError([] { readEnv(); }, ErrorCode::kInvalidArgument,
+                         {"EPCOMM_NVLINK_PUSH_QUARTERS", "'two'", "not an integer"});
+  }
+}
+
+TEST(Env, ValuesInRangeAreRead) {
+  ScopedEnv q("EPCOMM_NVLINK_PUSH_QUARTERS", "4");
+  ScopedEnv p("EPCOMM_NVLINK_PULL", "0");
+  const Env e = readEnv();
+  EXPECT_EQ(e.nvlinkPushQuarters, 4);
+  EXPECT_EQ(e.nvlinkPull, 0);
+  EXPECT_EQ(e.nvlinkBlocks, 0);
+}
+
+}  // namespace
+}  // namespace epcomm
