@@ -388,6 +388,7 @@ class Bench {
     uint64_t round = 0;
     auto ping = [&] { epcommBenchFlagPing(stream_, blocks, static_cast<uint64_t*>(nextFlags), flags, ++round); };
     const double empty = agree(timeIt([&] { epcommBenchEmpty(stream_, blocks); }, false));
+    const double emptyHost = agree(hostUs_);  // host time of the launch call itself
     // The same empty launch with 512 bytes of parameters and 34 KB of dynamic shared memory (decode's dispatch:
     // ~440 bytes of arguments, 33.8 KB of routing tables): what the launch itself adds for a kernel of that shape.
     constexpr unsigned kLikeSmem = 34u << 10;
@@ -417,19 +418,21 @@ class Bench {
     BENCH_CUDA(cudaFree(flags));
     if (rank_ != 0) return;
     std::printf(
-        "# floor (%d blocks of 512 threads, median, max over ranks): empty kernel %.1f us (%.1f us with 512 B of"
+        "# floor (%d blocks of 512 threads, median, max over ranks): empty kernel %.1f us (launch call %.1f us on the"
+        " host; %.1f us with 512 B of"
         " parameters and %u KB of shared memory); one flag each way %.1f us eager, %.1f us device-only\n"
         "# store probe (one thread, 8 x 16 B, 2 KB apart; in-kernel us): into the peer %.2f issue + %.2f fence; into"
         " the own GPU %.2f issue + %.2f fence\n",
-        blocks, empty, emptyLike, kLikeSmem >> 10, flag, flagDevice, peerStores.first, peerStores.second,
+        blocks, empty, emptyHost, emptyLike, kLikeSmem >> 10, flag, flagDevice, peerStores.first, peerStores.second,
         ownStores.first, ownStores.second);
     std::fflush(stdout);
     std::ostringstream f;
     f << "{\"bench\":\"epcomm-floor\",\"world\":" << world_ << ",\"blocks\":" << blocks << ",\"empty_us\":" << empty
-      << ",\"empty_like_us\":" << emptyLike << ",\"flag_us\":" << flag << ",\"flag_device_us\":" << flagDevice
-      << ",\"peer_store_issue_us\":" << peerStores.first << ",\"peer_store_fence_us\":" << peerStores.second
-      << ",\"own_store_issue_us\":" << ownStores.first << ",\"own_store_fence_us\":" << ownStores.second
-      << ",\"iters\":" << o_.iters << ",\"rev\":\"" << gitRev(o_) << "\",\"machine\":\"" << machine_ << "\"}\n";
+      << ",\"empty_host_us\":" << emptyHost << ",\"empty_like_us\":" << emptyLike << ",\"flag_us\":" << flag
+      << ",\"flag_device_us\":" << flagDevice << ",\"peer_store_issue_us\":" << peerStores.first
+      << ",\"peer_store_fence_us\":" << peerStores.second << ",\"own_store_issue_us\":" << ownStores.first
+      << ",\"own_store_fence_us\":" << ownStores.second << ",\"iters\":" << o_.iters << ",\"rev\":\"" << gitRev(o_)
+      << "\",\"machine\":\"" << machine_ << "\"}\n";
     if (!o_.json.empty()) std::ofstream(o_.json, std::ios::app) << f.str();
   }
 
