@@ -514,6 +514,20 @@ enum ExpandMode : int {
   kExpandPeers = 2,  // the other senders' tokens, from the staging slots (fused dispatch)
 };
 
+// Entry k of sender s's token j in this rank's routing area, polled until it carries `round` (tagged words: see
+// computeRows). A timeout (recorded) leaves it empty; the kernel then ends and the host reports the error.
+__device__ __forceinline__ RouteEntry pollEntry(const DispatchKernelArgs& a, uint32_t s, uint32_t j, uint32_t k,
+                                                uint32_t round) {
+  const Geometry& g = a.g;
+  const uint64_t* route = reinterpret_cast<const uint64_t*>(a.peers[g.rank] + g.offRoute);
+  uint32_t v = 0;
+  if (!waitTagged(route + routeIndex(g.topK, g.slotsPerSender, s, j, k), round, a.st, kPhaseDispatchRecv,
+                  static_cast<int32_t>(g.rank), static_cast<int32_t>(s), v)) {
+    return RouteEntry{-1, 0};
+  }
+  return unpackEntry(v);
+}
+
 // Expands received tokens into their expert rows (HBM to HBM, local). Work unit = (sender, token, piece) as in
 // dispatchPayload, over the tokens actually sent (rt.tokens); the unit's loads (routing entries, payload vectors,
 // scales) are issued together before its stores. `nOwn`: this rank's token count (kExpandOwn).
@@ -525,27 +539,20 @@ enum ExpandMode : int {
 // the static split (one or two units per warp; the first would wait for an atomic). A compile-time choice, so the
 // static loop is the code it was (decode dispatch measured ~0.5-1 us slower in every build with the queues, this
 // one included; why is open: docs/nvlink.md, eighth pass).
+// `pre` (static schedule only, when `havePre`): the entries of the warp's first unit, polled by firstOwnEntries()
+// before the wait that preceded this call.
 template <bool kDynamic>
 __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, int mode, uint32_t nOwn, uint32_t* queue,
-                             uint32_t warpId, uint32_t numWarps, uint32_t round) {
+                             uint32_t warpId, uint32_t numWarps, uint32_t round, RouteEntry pre = RouteEntry{-1, 0},
+                             bool havePre = false) {
   const Geometry& g = a.g;
   char* local = a.peers[g.rank];
   const uint32_t L = g.numLocalExperts, K = g.topK, W = g.worldSize, Ts = g.slotsPerSender, D = g.dpSize;
-  const uint64_t* route = reinterpret_cast<const uint64_t*>(local + g.offRoute);
   const uint32_t lane = threadIdx.x % 32;
   const uint32_t units = g.hiddenBytes / 16, scaleWords = g.scaleBytes / 4;
   const uint32_t pieces = tokenPieces(g);
   const uint32_t skip = mode == kExpandPeers ? g.rank : W;
-  // Entry k of sender s's token j, polled until it carries this round (tagged words: see computeRows). A timeout
-  // (recorded) leaves it empty; the kernel then ends and the host reports the error.
-  auto entry = [&](uint32_t s, uint32_t j, uint32_t k) {
-    uint32_t v = 0;
-    if (!waitTagged(route + routeIndex(K, Ts, s, j, k), round, a.st, kPhaseDispatchRecv, static_cast<int32_t>(g.rank),
-                    static_cast<int32_t>(s), v)) {
-      return RouteEntry{-1, 0};
-    }
-    return unpackEntry(v);
-  };
+  auto entry = [&](uint32_t s, uint32_t j, uint32_t k) { return pollEntry(a, s, j, k, round); };
   const uint32_t total = (mode == kExpandOwn ? nOwn : sentTokens(rt, W, skip)) * pieces;
   const bool leader = lane == 0;
   uint32_t wu = warpId;
@@ -589,7 +596,12 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
     }
     // The entries last: their poll (a loop the loads above cannot move past) overlaps the payload's latency.
     RouteEntry e0{-1, 0};
-    if (lane < K) e0 = entry(s, j, lane);
+    if (havePre && !kDynamic) {
+      e0 = pre;
+      havePre = false;
+    } else if (lane < K) {
+      e0 = entry(s, j, lane);
+    }
     for (uint32_t k0 = 0; k0 < K; k0 += 32) {
       const RouteEntry e = k0 == 0 ? e0 : k0 + lane < K ? entry(s, j, k0 + lane) : RouteEntry{-1, 0};
       int64_t rowOff = -1, scaleOff = 0;
@@ -633,6 +645,19 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
   }
 }
 
+// The entries (lane k < K) of the first unit (warpId) of a static kExpandOwn schedule over `nOwn` own tokens,
+// polled while the other ranks' counts are not in (own entries need only this rank's routing): the entries' round
+// trip (~0.4 us at decode, trace) leaves the unit's chain after the counts. `have`: whether the warp has a unit
+// (else nothing was polled). Polling the peers' first entries before their payload flag the same way delayed
+// decode T = 128 (docs/nvlink.md, ninth pass).
+__device__ RouteEntry firstOwnEntries(const DispatchKernelArgs& a, uint32_t nOwn, uint32_t warpId, uint32_t round,
+                                      bool& have) {
+  const Geometry& g = a.g;
+  have = warpId < nOwn * tokenPieces(g);
+  if (!have || threadIdx.x % 32 >= g.topK) return RouteEntry{-1, 0};
+  return pollEntry(a, g.rank, warpId / tokenPieces(g), threadIdx.x % 32, round);
+}
+
 // Whether the own-token blocks of the fused dispatch also expand the peers' tokens: only for more than
 // kJoinUnitsPerWarp work units per warp of the other blocks (prefill). Decided from the received token counts
 // (valid once every rank's routes are in), so every block decides the same. Measured on 2x H200: without the own
@@ -673,6 +698,11 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
                                     (B - firstLocal) * kWarps, peerRanks);
     }
     signalAllRanks(a.peers, g, kFlagDispatch);
+    const uint32_t ownWarp = spreadWarp(blockIdx.x - firstLocal, B - firstLocal), ownWarps = (B - firstLocal) * kWarps;
+    // Push mode (decode-sized): the first unit's entries while the other ranks' counts are not in.
+    bool havePre = false;
+    RouteEntry pre{-1, 0};
+    if (!g.pull) pre = firstOwnEntries(a, n, ownWarp, round, havePre);
     // Every rank's counts for this rank's experts, polled as they land (tagged words): no route flag.
     const RowTables rt = computeRows(local, g, smem, a.packed != 0, a.padding, round, a.st);
     if (!rt.ok) return;
@@ -681,9 +711,8 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
       for (uint32_t le = threadIdx.x; le < g.numLocalExperts; le += blockDim.x) a.outNumTokens[le] = rt.total[le];
     }
     // When they join the peers' expansion (prefill) both expansions run on dynamic schedules (expandTokens).
-    const uint32_t ownWarp = spreadWarp(blockIdx.x - firstLocal, B - firstLocal), ownWarps = (B - firstLocal) * kWarps;
     if (!ownBlocksJoin(g, rt, firstLocal)) {
-      expandTokens<false>(a, rt, kExpandOwn, n, nullptr, ownWarp, ownWarps, round);
+      expandTokens<false>(a, rt, kExpandOwn, n, nullptr, ownWarp, ownWarps, round, pre, havePre);
       tracePoint(a.st, kTrOwnDone);
       return;
     }
@@ -992,8 +1021,29 @@ __device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt,
   return true;
 }
 
+// The ranks holding token t's experts (its indices in [0, E)), OR-ed over the warp.
+__device__ __forceinline__ uint32_t tokenRanks(const CombineKernelArgs& a, uint32_t t) {
+  const Geometry& g = a.g;
+  uint32_t ranks = 0;
+  for (uint32_t k = threadIdx.x % 32; k < g.topK; k += 32) {
+    const int64_t e = loadIndex(a.indices, a.indexKind, a.indexStrides, t, k);
+    if (e >= 0 && e < static_cast<int64_t>(g.numExperts)) ranks |= 1u << (static_cast<uint32_t>(e) / g.numLocalExperts);
+  }
+  return __reduce_or_sync(0xffffffffu, ranks);
+}
+
+// tokenRanks of the warp's first combineRecvBody unit (0 without one), loaded before the wait for the partials: the
+// indices' round trip then is not in the unit's chain after the flag.
+template <int N>
+__device__ uint32_t firstRecvRanks(const CombineKernelArgs& a) {
+  const uint32_t bound = effectiveBound(a.boundM, a.m);
+  const uint32_t chunks = static_cast<uint32_t>(ceilDiv(a.g.hiddenDim / N, 32 * kChunkU));
+  const uint32_t warpId = spreadWarp(blockIdx.x, gridDim.x);
+  return warpId < bound * chunks ? tokenRanks(a, bound - 1 - warpId / chunks) : 0;
+}
+
 template <typename PT, typename OT, int N>
-__device__ void combineRecvBody(const CombineKernelArgs& a) {
+__device__ void combineRecvBody(const CombineKernelArgs& a, uint32_t firstRanks) {
   const Geometry& g = a.g;
   const char* local = a.peers[g.rank];
   const uint32_t bound = effectiveBound(a.boundM, a.m);
@@ -1006,13 +1056,7 @@ __device__ void combineRecvBody(const CombineKernelArgs& a) {
     // Tokens in descending order: the send pass stored the partials in ascending order, so the last ones stored (the
     // ones L2 still holds at prefill, where the partials are twice its size) are read first.
     const uint32_t t = bound - 1 - wu / chunks, chunk = wu % chunks;
-    uint32_t ranks = 0;
-    for (uint32_t k = lane; k < g.topK; k += 32) {
-      int64_t e = loadIndex(a.indices, a.indexKind, a.indexStrides, t, k);
-      if (e >= 0 && e < static_cast<int64_t>(g.numExperts))
-        ranks |= 1u << (static_cast<uint32_t>(e) / g.numLocalExperts);
-    }
-    ranks = __reduce_or_sync(0xffffffffu, ranks);
+    const uint32_t ranks = wu == warpId ? firstRanks : tokenRanks(a, t);
     OT* row = out + static_cast<int64_t>(t) * a.outRowStride;
     const uint32_t u0 = chunk * 32 * kChunkU + lane;
     float acc[kChunkU][N];
@@ -1146,15 +1190,16 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(const CombineKernel
   }
   if constexpr (kRecv) {
     const uint32_t seq = a.st.seq[kSeqCombineRecv * B + blockIdx.x] + 1;
+    const uint32_t firstRanks = wide ? firstRecvRanks<8>(a) : firstRecvRanks<4>(a);
     if (!waitAllRanks(a.peers[g.rank], g, kFlagCombineDone, static_cast<uint64_t>(seq) * g.blocks, a.st,
                       kPhaseCombineRecv)) {
       return;
     }
     tracePoint(a.st, kTrPeersIn);
     if (wide) {
-      combineRecvBody<PT, OT, 8>(a);
+      combineRecvBody<PT, OT, 8>(a, firstRanks);
     } else {
-      combineRecvBody<PT, OT, 4>(a);
+      combineRecvBody<PT, OT, 4>(a, firstRanks);
     }
     __syncthreads();
     tracePoint(a.st, kTrExit);
