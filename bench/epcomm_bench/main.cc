@@ -161,7 +161,9 @@ Options parse(int argc, char** argv) {
                    "  --max-tokens: create each object for max(T, N) tokens (an engine's capacity) and send T\n"
                    "  --floor: also time, with the same method, an empty kernel and a one-flag exchange between\n"
                    "  ranks (half the SMs' blocks of 512 threads, as the library launches): the floor of the method;\n"
-                   "  and one thread's 8 x 16-byte stores into the peer's and into the own memory (in-kernel time)\n"
+                   "  and one thread's 8 x 16-byte stores into the peer's and into the own memory (in-kernel time);\n"
+                   "  the empty kernel's launch call is also timed on the host (eager rows print the host time\n"
+                   "  inside the calls as well)\n"
                    "  --backend host (and auto without a GPU): defaults --config decode,small,qwen3 --tokens 1,32,128\n"
                    "  --iters 50 --warmup 5; prefill only when named\n";
       std::exit(0);
