@@ -664,9 +664,15 @@ __device__ RouteEntry firstOwnEntries(const DispatchKernelArgs& a, uint32_t nOwn
 // blocks decode T = 512 (2 units per warp) dispatched in 34.6 us instead of 37.9, but prefill T = 4096 (16 per warp)
 // in 148.8 / 153.0 us (eager / graph) instead of 145.1 / 142.8.
 constexpr uint32_t kJoinUnitsPerWarp = 4;
+
+// Whether expanding `tokens` tokens gives the warps of `blocks` blocks more than kJoinUnitsPerWarp work units each:
+// a prefill-sized round, expanded on a dynamic schedule (expandTokens).
+__device__ __forceinline__ bool manyUnitsPerWarp(const Geometry& g, uint64_t tokens, uint32_t blocks) {
+  return tokens * tokenPieces(g) > static_cast<uint64_t>(kJoinUnitsPerWarp) * blocks * kWarps;
+}
+
 __device__ bool ownBlocksJoin(const Geometry& g, const RowTables& rt, uint32_t firstLocal) {
-  const uint64_t peerTokens = sentTokens(rt, g.worldSize, g.rank);
-  return peerTokens * tokenPieces(g) > static_cast<uint64_t>(kJoinUnitsPerWarp) * firstLocal * kWarps;
+  return manyUnitsPerWarp(g, sentTokens(rt, g.worldSize, g.rank), firstLocal);
 }
 
 // Fused dispatch with roles, so this rank's own tokens never wait for NVLink (R = g.routeBlocks):
@@ -826,8 +832,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
     }
     // Prefill-sized rounds on a dynamic schedule (expandTokens); the send kernel of this round cleared nothing this
     // queue uses: it clears round seq + 1's, and the fused kernel, its only other user, does not run this round.
-    if (static_cast<uint64_t>(sentTokens(rt, g.worldSize, g.worldSize)) * tokenPieces(g) >
-        static_cast<uint64_t>(kJoinUnitsPerWarp) * B * kWarps) {
+    if (manyUnitsPerWarp(g, sentTokens(rt, g.worldSize, g.worldSize), B)) {
       expandTokens<true>(a, rt, kExpandAll, 0, queueOf(a.st, kQueueDispatchPeers, seq), 0, 0, seq);
     } else {
       expandTokens<false>(a, rt, kExpandAll, 0, nullptr, spreadWarp(blockIdx.x, B), B * kWarps, seq);
