@@ -31,6 +31,9 @@ const std::vector<EnvVar>& envVars() {
       {"EPCOMM_NVLINK_PUSH_QUARTERS", "-1",
        "nvlink backend, pull mode: quarters (0-4) of every sender's tokens pushed into the receivers all the same, "
        "-1 = automatic (1)"},
+      {"EPCOMM_NVLINK_GRAPH_LAUNCH", "1",
+       "nvlink backend: 1 = an eager call whose arguments repeat launches its kernel as a cached one-node CUDA graph "
+       "(made at the second such call; calls on a capturing stream always launch plainly), 0 = plain launches"},
       {"EPCOMM_NVLINK_TRACE", "0",
        "nvlink backend diagnostics: 1 stamps every kernel's phases per block and prints a summary at destruction"},
       {"EPCOMM_FABRIC_DOMAIN", "", "libfabric domain (interface) for the TransferEngine, e.g. lo (empty: first IPv4)"},
@@ -90,6 +93,7 @@ Env readEnv() {
   e.nvlinkTrace = envInt("EPCOMM_NVLINK_TRACE") != 0;
   e.nvlinkPull = static_cast<int>(envIntIn("EPCOMM_NVLINK_PULL", -1, 1));
   e.nvlinkPushQuarters = static_cast<int>(envIntIn("EPCOMM_NVLINK_PUSH_QUARTERS", -1, 4));
+  e.nvlinkGraphLaunch = envIntIn("EPCOMM_NVLINK_GRAPH_LAUNCH", 0, 1) != 0;
   for (char** p = environ; p != nullptr && *p != nullptr; ++p) {
     if (std::strncmp(*p, "EPCOMM_", 7) != 0) continue;
     std::string name(*p, std::strchr(*p, '=') != nullptr ? std::strchr(*p, '=') - *p : std::strlen(*p));

@@ -8,12 +8,14 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "backends/backends.hpp"
 #include "backends/nvlink/nvlink_kernels.hpp"
+#include "backends/nvlink/nvlink_launch.hpp"
 #include "backends/nvlink/nvlink_layout.hpp"
 #include "backends/nvlink/nvlink_trace.hpp"
 #include "core/call_order.hpp"
@@ -188,6 +190,7 @@ class NvlinkAllToAll final : public AllToAll {
     // Nobody may store into a peer's region before the peer zeroed it (done above, before the allGather) and
     // every rank has mapped every other one.
     bootstrap_.barrier();
+    launches_ = std::make_unique<nvlink::GraphLaunchCache>(env().nvlinkGraphLaunch && !trace_.enabled());
     EPCOMM_LOG(kInfo, "nvlink backend: device " << device_ << ", " << geo_.blocks << " blocks, " << geo_.totalBytes
                                                 << " bytes peer-mapped, " << config.toString());
   }
@@ -197,6 +200,7 @@ class NvlinkAllToAll final : public AllToAll {
     // for everyone, then unmap and free.
     cudaSetDevice(device_);
     cudaDeviceSynchronize();
+    launches_.reset();
     if (trace_.enabled()) std::fputs(trace_.summary(static_cast<int>(config_.rank)).c_str(), stderr);
     try {
       bootstrap_.barrier();
@@ -214,7 +218,8 @@ class NvlinkAllToAll final : public AllToAll {
     checkUsable();
     const CheckedDispatch c = checkDispatchArgs(config_, a, MemoryKind::kCuda, device_);
     order_.checkDispatch(a.doSend, a.doRecv);
-    nvlink::DispatchKernelArgs k{};
+    nvlink::DispatchKernelArgs k;
+    std::memset(&k, 0, sizeof k);  // padding too: the launch cache compares the bytes
     fillCommon(k.g, k.peers, k.st);
     if (a.doSend) {
       k.x = static_cast<const uint8_t*>(a.x.data);
@@ -249,7 +254,8 @@ class NvlinkAllToAll final : public AllToAll {
     }
     checkCurrentDevice();
     k.st.trace = trace_.next(nvlink::PhaseTrace::kDispatch, a.doSend, a.doRecv);
-    int rc = nvlink::launchDispatch(k, a.doSend, a.doRecv, a.stream);
+    int rc = launches_->launch(nvlink::dispatchLaunch(k, a.doSend, a.doRecv), &k, sizeof k,
+                               static_cast<cudaStream_t>(a.stream));
     EPCOMM_CHECK(rc == 0, kCuda,
                  "rank " << config_.rank
                          << ": dispatch kernel launch failed: " << cudaGetErrorString(static_cast<cudaError_t>(rc)));
@@ -260,7 +266,8 @@ class NvlinkAllToAll final : public AllToAll {
     checkUsable();
     const CheckedCombine c = checkCombineArgs(config_, a, MemoryKind::kCuda, device_);
     order_.checkCombine(a.doSend, a.doRecv);
-    nvlink::CombineKernelArgs k{};
+    nvlink::CombineKernelArgs k;
+    std::memset(&k, 0, sizeof k);  // padding too: the launch cache compares the bytes
     fillCommon(k.g, k.peers, k.st);
     if (a.doSend) {
       // The send half applies the router weights (it sums each token's local experts before sending), so it needs
@@ -302,7 +309,8 @@ class NvlinkAllToAll final : public AllToAll {
     }
     checkCurrentDevice();
     k.st.trace = trace_.next(nvlink::PhaseTrace::kCombine, a.doSend, a.doRecv);
-    int rc = nvlink::launchCombine(k, a.doSend, a.doRecv, partialType_, outType, a.stream);
+    int rc = launches_->launch(nvlink::combineLaunch(k, a.doSend, a.doRecv, partialType_, outType), &k, sizeof k,
+                               static_cast<cudaStream_t>(a.stream));
     EPCOMM_CHECK(rc == 0, kCuda,
                  "rank " << config_.rank
                          << ": combine kernel launch failed: " << cudaGetErrorString(static_cast<cudaError_t>(rc)));
@@ -386,6 +394,9 @@ class NvlinkAllToAll final : public AllToAll {
   CallOrder order_{"nvlink", config_.rank, false};
   uint32_t dispatchedM_ = 0;  // m of the last dispatch send half (combine's weights must cover it)
   nvlink::PhaseTrace trace_;
+  /// Eager launches through cached graphs (EPCOMM_NVLINK_GRAPH_LAUNCH; off while tracing: the trace slot changes the
+  /// arguments every call).
+  std::unique_ptr<nvlink::GraphLaunchCache> launches_;
   std::string failed_;
   ErrorCode failedCode_ = ErrorCode::kInternal;
 };

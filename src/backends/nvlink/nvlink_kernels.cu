@@ -1212,52 +1212,43 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(const CombineKernel
   }
 }
 
-template <bool kSend, bool kRecv>
-int launchDispatchT(const DispatchKernelArgs& args, void* stream) {
-  dispatchKernel<kSend, kRecv>
-      <<<args.g.blocks, kThreads, sharedBytes(args.g), static_cast<cudaStream_t>(stream)>>>(args);
-  return static_cast<int>(cudaGetLastError());
-}
-
 template <bool kSend, bool kRecv, typename PT, typename OT>
-int launchCombineT(const CombineKernelArgs& args, void* stream) {
-  combineKernel<kSend, kRecv, PT, OT>
-      <<<args.g.blocks, kThreads, sharedBytes(args.g), static_cast<cudaStream_t>(stream)>>>(args);
-  return static_cast<int>(cudaGetLastError());
+const void* combineFn() {
+  return reinterpret_cast<const void*>(combineKernel<kSend, kRecv, PT, OT>);
 }
 
 template <bool kSend, bool kRecv, typename PT>
-int launchCombineOut(const CombineKernelArgs& args, int outType, void* stream) {
+const void* combineFnOut(int outType) {
   switch (outType) {
     case kTypeBf16:
-      return launchCombineT<kSend, kRecv, PT, __nv_bfloat16>(args, stream);
+      return combineFn<kSend, kRecv, PT, __nv_bfloat16>();
     case kTypeF16:
-      return launchCombineT<kSend, kRecv, PT, __half>(args, stream);
+      return combineFn<kSend, kRecv, PT, __half>();
     default:
-      return launchCombineT<kSend, kRecv, PT, float>(args, stream);
+      return combineFn<kSend, kRecv, PT, float>();
   }
 }
 
 template <bool kSend, bool kRecv>
-int launchCombineMode(const CombineKernelArgs& args, int partialType, int outType, void* stream) {
+const void* combineFnMode(int partialType, int outType) {
   if constexpr (kSend && !kRecv) {
     // The send half never touches outTokens: one instantiation per partial type.
     switch (partialType) {
       case kTypeBf16:
-        return launchCombineT<true, false, __nv_bfloat16, __nv_bfloat16>(args, stream);
+        return combineFn<true, false, __nv_bfloat16, __nv_bfloat16>();
       case kTypeF16:
-        return launchCombineT<true, false, __half, __half>(args, stream);
+        return combineFn<true, false, __half, __half>();
       default:
-        return launchCombineT<true, false, float, float>(args, stream);
+        return combineFn<true, false, float, float>();
     }
   } else {
     switch (partialType) {
       case kTypeBf16:
-        return launchCombineOut<kSend, kRecv, __nv_bfloat16>(args, outType, stream);
+        return combineFnOut<kSend, kRecv, __nv_bfloat16>(outType);
       case kTypeF16:
-        return launchCombineOut<kSend, kRecv, __half>(args, outType, stream);
+        return combineFnOut<kSend, kRecv, __half>(outType);
       default:
-        return launchCombineOut<kSend, kRecv, float>(args, outType, stream);
+        return combineFnOut<kSend, kRecv, float>(outType);
     }
   }
 }
@@ -1277,16 +1268,24 @@ cudaError_t raiseCombine(uint32_t bytes) {
 
 }  // namespace
 
-int launchDispatch(const DispatchKernelArgs& args, bool doSend, bool doRecv, void* stream) {
-  if (doSend && doRecv) return launchDispatchT<true, true>(args, stream);
-  if (doSend) return launchDispatchT<true, false>(args, stream);
-  return launchDispatchT<false, true>(args, stream);
+KernelLaunch dispatchLaunch(const DispatchKernelArgs& args, bool doSend, bool doRecv) {
+  const void* fn = doSend && doRecv ? reinterpret_cast<const void*>(dispatchKernel<true, true>)
+                   : doSend         ? reinterpret_cast<const void*>(dispatchKernel<true, false>)
+                                    : reinterpret_cast<const void*>(dispatchKernel<false, true>);
+  return KernelLaunch{fn, args.g.blocks, kThreads, sharedBytes(args.g)};
 }
 
-int launchCombine(const CombineKernelArgs& args, bool doSend, bool doRecv, int partialType, int outType, void* stream) {
-  if (doSend && doRecv) return launchCombineMode<true, true>(args, partialType, outType, stream);
-  if (doSend) return launchCombineMode<true, false>(args, partialType, outType, stream);
-  return launchCombineMode<false, true>(args, partialType, outType, stream);
+KernelLaunch combineLaunch(const CombineKernelArgs& args, bool doSend, bool doRecv, int partialType, int outType) {
+  const void* fn = doSend && doRecv ? combineFnMode<true, true>(partialType, outType)
+                   : doSend         ? combineFnMode<true, false>(partialType, outType)
+                                    : combineFnMode<false, true>(partialType, outType);
+  return KernelLaunch{fn, args.g.blocks, kThreads, sharedBytes(args.g)};
+}
+
+int launchKernel(const KernelLaunch& l, const void* args, void* stream) {
+  void* params[] = {const_cast<void*>(args)};
+  return static_cast<int>(
+      cudaLaunchKernel(l.fn, dim3(l.blocks), dim3(l.threads), params, l.smemBytes, static_cast<cudaStream_t>(stream)));
 }
 
 int configureKernels(uint32_t bytes) {

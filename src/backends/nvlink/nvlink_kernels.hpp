@@ -112,10 +112,20 @@ struct CombineKernelArgs {
 /// Element types of the combine: 0 bf16, 1 fp16, 2 fp32.
 enum CombineType : int { kTypeBf16 = 0, kTypeF16 = 1, kTypeF32 = 2 };
 
-/// Launches the dispatch kernel on `stream`; returns the cudaError_t of the launch (0 = success).
-int launchDispatch(const DispatchKernelArgs& args, bool doSend, bool doRecv, void* stream);
-/// Launches the combine kernel; `partialType` is expertY's type (partials travel in it), `outType` outTokens'.
-int launchCombine(const CombineKernelArgs& args, bool doSend, bool doRecv, int partialType, int outType, void* stream);
+/// One kernel launch: the instantiation, grid, block and dynamic shared memory; its single parameter is the
+/// arguments struct.
+struct KernelLaunch {
+  const void* fn;
+  uint32_t blocks;
+  uint32_t threads;
+  uint32_t smemBytes;
+};
+/// The dispatch kernel for these halves.
+KernelLaunch dispatchLaunch(const DispatchKernelArgs& args, bool doSend, bool doRecv);
+/// The combine kernel; `partialType` is expertY's type (partials travel in it), `outType` outTokens'.
+KernelLaunch combineLaunch(const CombineKernelArgs& args, bool doSend, bool doRecv, int partialType, int outType);
+/// Launches `l` with `args` (a DispatchKernelArgs or CombineKernelArgs) on `stream`; returns the cudaError_t.
+int launchKernel(const KernelLaunch& l, const void* args, void* stream);
 /// Raises the dynamic shared-memory limit of every kernel to `bytes` (needed above 48 KiB).
 int configureKernels(uint32_t bytes);
 

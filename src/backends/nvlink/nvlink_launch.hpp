@@ -1,0 +1,54 @@
+// Eager launches of the nvlink kernels through cached one-node CUDA graphs (EPCOMM_NVLINK_GRAPH_LAUNCH).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "backends/nvlink/nvlink_kernels.hpp"
+
+namespace epcomm {
+namespace nvlink {
+
+/// A call whose kernel and argument bytes repeat (an engine calling with the same buffers every step) is launched as
+/// a one-node executable graph made at the second sighting: on the 2x H200 machine a graph's launch reached the GPU
+/// ~2 us sooner than cudaLaunchKernel's (eager against graph rows of epcomm-bench; docs/nvlink.md, ninth pass).
+/// Anything else, and every call on a capturing stream (the caller's own graph then records a plain kernel node),
+/// launches plainly. Per object, not thread-safe (like the object).
+class GraphLaunchCache {
+ public:
+  explicit GraphLaunchCache(bool enabled) : enabled_(enabled), seen_(kSeen, ~0ull) {}
+  ~GraphLaunchCache();
+  GraphLaunchCache(const GraphLaunchCache&) = delete;
+  GraphLaunchCache& operator=(const GraphLaunchCache&) = delete;
+
+  /// Launches `l` with the `bytes` bytes at `args` as its parameter on `stream`; returns the cudaError_t.
+  int launch(const KernelLaunch& l, const void* args, size_t bytes, cudaStream_t stream);
+  /// Graphs launched so far (for tests and the log).
+  uint64_t graphLaunches() const { return graphLaunches_; }
+
+ private:
+  static constexpr size_t kEntries = 32;  // executable graphs kept (least recently used evicted)
+  static constexpr size_t kSeen = 64;     // argument hashes seen once, not yet instantiated
+  struct Entry {
+    uint64_t hash;
+    const void* fn;
+    uint32_t smemBytes;
+    std::vector<unsigned char> args;
+    cudaGraphExec_t exec;
+    uint64_t lastUse;
+  };
+  cudaGraphExec_t instantiate(const KernelLaunch& l, const void* args);
+
+  bool enabled_;
+  std::vector<Entry> entries_;
+  std::vector<uint64_t> seen_;
+  size_t seenNext_ = 0;
+  uint64_t clock_ = 0;
+  uint64_t graphLaunches_ = 0;
+};
+
+}  // namespace nvlink
+}  // namespace epcomm
