@@ -23,8 +23,9 @@ TEST(Env, OutOfRangeValuesAreErrors) {
     const char* name;
     const char* value;
   };
-  for (const Case& c : {Case{"EPCOMM_NVLINK_PUSH_QUARTERS", "5"}, Case{"EPCOMM_NVLINK_PUSH_QUARTERS", "-2"},
-                        Case{"EPCOMM_NVLINK_PULL", "2"}, Case{"EPCOMM_NVLINK_BLOCKS", "-1"}}) {
+  for (const Case& c :
+       {Case{"EPCOMM_NVLINK_PUSH_QUARTERS", "5"}, Case{"EPCOMM_NVLINK_PUSH_QUARTERS", "-2"},
+        Case{"EPCOMM_NVLINK_PULL", "2"}, Case{"EPCOMM_NVLINK_BLOCKS", "-1"}, Case{"EPCOMM_NVLINK_GRAPH_LAUNCH", "2"}}) {
     ScopedEnv set(c.name, c.value);
     testing::expectError([] { readEnv(); }, ErrorCode::kInvalidArgument, {c.name, c.value, "out of range"});
   }
@@ -42,6 +43,9 @@ TEST(Env, ValuesInRangeAreRead) {
   EXPECT_EQ(e.nvlinkPushQuarters, 4);
   EXPECT_EQ(e.nvlinkPull, 0);
   EXPECT_EQ(e.nvlinkBlocks, 0);
+  EXPECT_TRUE(e.nvlinkGraphLaunch);  // default: cached launch graphs on
+  ScopedEnv off("EPCOMM_NVLINK_GRAPH_LAUNCH", "0");
+  EXPECT_FALSE(readEnv().nvlinkGraphLaunch);
 }
 
 }  // namespace
