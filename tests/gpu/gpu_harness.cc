@@ -186,6 +186,10 @@ Round::Round(const Scenario& s, uint64_t seed) : d_(new RoundData) {
     HostTensor xs(DType::kF32, {m > 0 ? m * sh.S : 1});
     for (int64_t i = 0; i < m * sh.S; ++i) xs.data<float>()[i] = uni(gr);
     std::vector<int32_t> idx = reference::randomIndices(d.config, static_cast<uint32_t>(m), seed * 31 + g);
+    if (s.ownExperts) {
+      const int32_t L = static_cast<int32_t>(s.experts / W);
+      for (int32_t& e : idx) e = e % L + static_cast<int32_t>(r) * L;  // may repeat an expert, as masked does
+    }
     if (s.masked) {
       for (int64_t t = 0; t < m; ++t) {
         const uint64_t v = gr();

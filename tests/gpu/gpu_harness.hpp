@@ -44,6 +44,7 @@ struct Scenario {
   Layout layout = Layout::kBatched;
   uint32_t padding = 1;
   bool masked = false;       ///< some indices -1, some repeated within a token
+  bool ownExperts = false;   ///< every index names an expert of the token's own rank: nothing crosses between ranks
   bool ragged = true;        ///< m per DP group random in [0, T]
   bool deviceBound = false;  ///< *boundM random in [0, m] on the device
   bool accumulate = false;

@@ -183,6 +183,32 @@ TEST(NvlinkGpu, W2MixedFusedAndSplit) {
   runAll(2, {s, wide});
 }
 
+// Rounds in which no token crosses between the ranks (every index names an expert of the token's own rank): only
+// the flags, counts and barriers do, and every round must still see its own data (fused, split, and one rank of
+// each; push and pull mode).
+TEST(NvlinkGpu, W2NothingCrossesBetweenRanks) {
+  REQUIRE_GPUS(2);
+  Scenario own = base(2);
+  own.ownExperts = true;
+  own.masked = true;
+  own.rounds = 5;
+  own.seed = 92;
+  Scenario split = own;
+  split.split = true;
+  split.seed = 93;
+  Scenario mixed = own;
+  mixed.splitOddRanks = true;
+  mixed.seed = 94;
+  Scenario pull = own;
+  pull.maxTokens = 1300;
+  pull.experts = 32;
+  pull.topK = 6;
+  pull.hidden = 7168;
+  pull.rounds = 3;
+  pull.seed = 95;
+  runAll(2, {own, split, mixed, pull});
+}
+
 TEST(NvlinkGpu, W2DpGroupD2) {
   REQUIRE_GPUS(2);
   Scenario s = base(2);
