@@ -164,6 +164,15 @@ TEST(NvlinkGpu, W2PullLayouts) {
   runAll(2, list);
 }
 
+// `s` with a sender of more than one 4 KiB work unit per warp (pull mode, dynamic schedules): 1300 tokens of 7 KB.
+Scenario pullSized(Scenario s) {
+  s.maxTokens = 1300;
+  s.experts = 32;
+  s.topK = 6;
+  s.hidden = 7168;
+  return s;
+}
+
 // One rank fuses its calls while the other splits them, in the same rounds: the protocol does not depend on the
 // peer's choice. Decode-sized tokens, and a sender with many work units (its copy signalled in parts where the
 // backend does so).
@@ -173,11 +182,7 @@ TEST(NvlinkGpu, W2MixedFusedAndSplit) {
   s.splitOddRanks = true;
   s.masked = true;
   s.rounds = 3;
-  Scenario wide = s;
-  wide.maxTokens = 1300;
-  wide.experts = 32;
-  wide.topK = 6;
-  wide.hidden = 7168;
+  Scenario wide = pullSized(s);
   wide.ragged = true;
   wide.seed = 77;
   runAll(2, {s, wide});
@@ -199,11 +204,7 @@ TEST(NvlinkGpu, W2NothingCrossesBetweenRanks) {
   Scenario mixed = own;
   mixed.splitOddRanks = true;
   mixed.seed = 94;
-  Scenario pull = own;
-  pull.maxTokens = 1300;
-  pull.experts = 32;
-  pull.topK = 6;
-  pull.hidden = 7168;
+  Scenario pull = pullSized(own);
   pull.rounds = 3;
   pull.seed = 95;
   runAll(2, {own, split, mixed, pull});
