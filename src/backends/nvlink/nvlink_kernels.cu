@@ -1253,33 +1253,28 @@ const void* combineFnMode(int partialType, int outType) {
   }
 }
 
-template <typename Kernel>
-cudaError_t raiseSmem(Kernel k, uint32_t bytes) {
-  return cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+// The dispatch kernel for these halves.
+const void* dispatchFnFor(bool doSend, bool doRecv) {
+  return doSend && doRecv ? reinterpret_cast<const void*>(dispatchKernel<true, true>)
+         : doSend         ? reinterpret_cast<const void*>(dispatchKernel<true, false>)
+                          : reinterpret_cast<const void*>(dispatchKernel<false, true>);
 }
 
-template <bool kSend, bool kRecv, typename PT>
-cudaError_t raiseCombine(uint32_t bytes) {
-  cudaError_t e = raiseSmem(combineKernel<kSend, kRecv, PT, __nv_bfloat16>, bytes);
-  if (e == cudaSuccess) e = raiseSmem(combineKernel<kSend, kRecv, PT, __half>, bytes);
-  if (e == cudaSuccess) e = raiseSmem(combineKernel<kSend, kRecv, PT, float>, bytes);
-  return e;
+// The combine kernel for these halves and element types.
+const void* combineFnFor(bool doSend, bool doRecv, int partialType, int outType) {
+  return doSend && doRecv ? combineFnMode<true, true>(partialType, outType)
+         : doSend         ? combineFnMode<true, false>(partialType, outType)
+                          : combineFnMode<false, true>(partialType, outType);
 }
 
 }  // namespace
 
 KernelLaunch dispatchLaunch(const DispatchKernelArgs& args, bool doSend, bool doRecv) {
-  const void* fn = doSend && doRecv ? reinterpret_cast<const void*>(dispatchKernel<true, true>)
-                   : doSend         ? reinterpret_cast<const void*>(dispatchKernel<true, false>)
-                                    : reinterpret_cast<const void*>(dispatchKernel<false, true>);
-  return KernelLaunch{fn, args.g.blocks, kThreads, sharedBytes(args.g)};
+  return KernelLaunch{dispatchFnFor(doSend, doRecv), args.g.blocks, kThreads, sharedBytes(args.g)};
 }
 
 KernelLaunch combineLaunch(const CombineKernelArgs& args, bool doSend, bool doRecv, int partialType, int outType) {
-  const void* fn = doSend && doRecv ? combineFnMode<true, true>(partialType, outType)
-                   : doSend         ? combineFnMode<true, false>(partialType, outType)
-                                    : combineFnMode<false, true>(partialType, outType);
-  return KernelLaunch{fn, args.g.blocks, kThreads, sharedBytes(args.g)};
+  return KernelLaunch{combineFnFor(doSend, doRecv, partialType, outType), args.g.blocks, kThreads, sharedBytes(args.g)};
 }
 
 int launchKernel(const KernelLaunch& l, const void* args, void* stream) {
@@ -1290,19 +1285,19 @@ int launchKernel(const KernelLaunch& l, const void* args, void* stream) {
 
 int configureKernels(uint32_t bytes) {
   if (bytes <= 48 * 1024) return 0;
-  cudaError_t e = raiseSmem(dispatchKernel<true, true>, bytes);
-  if (e == cudaSuccess) e = raiseSmem(dispatchKernel<true, false>, bytes);
-  if (e == cudaSuccess) e = raiseSmem(dispatchKernel<false, true>, bytes);
-  if (e == cudaSuccess) e = raiseSmem(combineKernel<true, false, __nv_bfloat16, __nv_bfloat16>, bytes);
-  if (e == cudaSuccess) e = raiseSmem(combineKernel<true, false, __half, __half>, bytes);
-  if (e == cudaSuccess) e = raiseSmem(combineKernel<true, false, float, float>, bytes);
-  if (e == cudaSuccess) e = raiseCombine<true, true, __nv_bfloat16>(bytes);
-  if (e == cudaSuccess) e = raiseCombine<true, true, __half>(bytes);
-  if (e == cudaSuccess) e = raiseCombine<true, true, float>(bytes);
-  if (e == cudaSuccess) e = raiseCombine<false, true, __nv_bfloat16>(bytes);
-  if (e == cudaSuccess) e = raiseCombine<false, true, __half>(bytes);
-  if (e == cudaSuccess) e = raiseCombine<false, true, float>(bytes);
-  return static_cast<int>(e);
+  // Every kernel the launch selectors can return (the send-only combine ignores outType: set more than once).
+  constexpr bool kHalves[3][2] = {{true, true}, {true, false}, {false, true}};
+  auto raise = [bytes](const void* fn) {
+    return cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  };
+  for (const auto& h : kHalves) {
+    cudaError_t e = raise(dispatchFnFor(h[0], h[1]));
+    for (int pt = kTypeBf16; pt <= kTypeF32 && e == cudaSuccess; ++pt) {
+      for (int ot = kTypeBf16; ot <= kTypeF32 && e == cudaSuccess; ++ot) e = raise(combineFnFor(h[0], h[1], pt, ot));
+    }
+    if (e != cudaSuccess) return static_cast<int>(e);
+  }
+  return 0;
 }
 
 }  // namespace nvlink
