@@ -622,8 +622,6 @@ class Bench {
     if (!hostMode_) {
       eager.dHost = agree(dispatchHost);
       eager.cHost = agree(combineHost);
-    }
-    if (!hostMode_) {
       phase("device-only");
       pairTimes(dispatchOnce, combineOnce, true, &dispatchSamples, &combineSamples);
       eager.dDev = agree(dispatchSamples);
