@@ -85,6 +85,21 @@ TEST(NvlinkGpu, W1Basic) {
   runAll(1, {base(1)});
 }
 
+// 512 experts: the routing tables need ~66 KB of shared memory, above the 48 KB every kernel gets without
+// configureKernels raising its limit (fused and split halves, fp32 expert outputs into fp16 tokens as well).
+TEST(NvlinkGpu, W1ManyExpertsNeedMoreSharedMemory) {
+  REQUIRE_GPUS(1);
+  Scenario s = base(1);
+  s.experts = 512;
+  s.topK = 8;
+  s.masked = true;
+  Scenario split = s;
+  split.split = true;
+  split.yType = DType::kF32;
+  split.outType = DType::kF16;
+  runAll(1, {s, split});
+}
+
 TEST(NvlinkGpu, W1MaskedRaggedBoundPackedPadded) {
   REQUIRE_GPUS(1);
   Scenario s = base(1);
