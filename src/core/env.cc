@@ -31,6 +31,9 @@ const std::vector<EnvVar>& envVars() {
       {"EPCOMM_NVLINK_PUSH_QUARTERS", "-1",
        "nvlink backend, pull mode: quarters (0-4) of every sender's tokens pushed into the receivers all the same, "
        "-1 = automatic (1)"},
+      {"EPCOMM_NVLINK_LINES", "-1",
+       "nvlink backend, push mode: 1 = tokens travel as tagged 128-byte lines and receivers rank the senders' tokens "
+       "themselves (no flag, no fence), 0 = plain slots behind a flag, -1 = automatic (lines for decode-sized batches)"},
       {"EPCOMM_NVLINK_GRAPH_LAUNCH", "1",
        "nvlink backend: 1 = an eager call whose arguments repeat launches its kernel as a cached one-node CUDA graph "
        "(made at the second such call; calls on a capturing stream always launch plainly), 0 = plain launches"},
@@ -93,6 +96,7 @@ Env readEnv() {
   e.nvlinkTrace = envInt("EPCOMM_NVLINK_TRACE") != 0;
   e.nvlinkPull = static_cast<int>(envIntIn("EPCOMM_NVLINK_PULL", -1, 1));
   e.nvlinkPushQuarters = static_cast<int>(envIntIn("EPCOMM_NVLINK_PUSH_QUARTERS", -1, 4));
+  e.nvlinkLines = static_cast<int>(envIntIn("EPCOMM_NVLINK_LINES", -1, 1));
   e.nvlinkGraphLaunch = envIntIn("EPCOMM_NVLINK_GRAPH_LAUNCH", 0, 1) != 0;
   for (char** p = environ; p != nullptr && *p != nullptr; ++p) {
     if (std::strncmp(*p, "EPCOMM_", 7) != 0) continue;

@@ -288,6 +288,69 @@ TEST(NvlinkGpu, W2RoutingChunks) {
   runAll(2, routingChunks(2));
 }
 
+// Sets environment variables for one test's child processes (read once per process, after the fork) and restores
+// them afterwards.
+class ScopedEnv {
+ public:
+  ScopedEnv(std::initializer_list<std::pair<const char*, const char*>> vars) {
+    for (const auto& v : vars) {
+      const char* old = std::getenv(v.first);
+      saved_.emplace_back(v.first, old != nullptr ? std::make_unique<std::string>(old) : nullptr);
+      setenv(v.first, v.second, 1);
+    }
+  }
+  ~ScopedEnv() {
+    for (const auto& v : saved_) {
+      if (v.second != nullptr) {
+        setenv(v.first, v.second->c_str(), 1);
+      } else {
+        unsetenv(v.first);
+      }
+    }
+  }
+
+ private:
+  std::vector<std::pair<const char*, std::unique_ptr<std::string>>> saved_;
+};
+
+// Push mode without line mode (EPCOMM_NVLINK_LINES=0; the W2 tests above use lines, automatic at their sizes): plain
+// slots behind the dispatch flag. Decode shape, split + accumulate, packed + padding with D = 2, mixed fused/split.
+TEST(NvlinkGpu, W2PlainSlotsWithoutLines) {
+  REQUIRE_GPUS(2);
+  ScopedEnv env({{"EPCOMM_NVLINK_LINES", "0"}});
+  Scenario decode = base(2);
+  decode.experts = 256;
+  decode.topK = 8;
+  decode.hidden = 7168;
+  decode.maxTokens = 128;
+  decode.xType = DType::kFp8E4M3;
+  decode.scales = true;
+  decode.rounds = 2;
+  Scenario split = base(2);
+  split.split = true;
+  split.accumulate = true;
+  split.masked = true;
+  Scenario packed = base(2);
+  packed.dp = 2;
+  packed.layout = Layout::kPacked;
+  packed.padding = 4;
+  packed.masked = true;
+  packed.deviceBound = true;
+  Scenario mixed = base(2);
+  mixed.splitOddRanks = true;
+  mixed.scales = true;
+  mixed.xType = DType::kFp8E4M3;
+  runAll(2, {decode, split, packed, mixed});
+}
+
+// Line mode forced on beyond its automatic bound (1300 tokens per sender, push mode forced): receivers' tables over
+// 15600 routing entries (~135 KB of shared memory), several routing blocks, fused and split, both layouts.
+TEST(NvlinkGpu, W2LinesForLargeBatches) {
+  REQUIRE_GPUS(2);
+  ScopedEnv env({{"EPCOMM_NVLINK_LINES", "1"}, {"EPCOMM_NVLINK_PULL", "0"}});
+  runAll(2, routingChunks(2));
+}
+
 // Every payload dtype with every (expertY, outTokens) pair, on one and on two GPUs.
 std::vector<Scenario> dtypeMatrix(uint32_t world) {
   std::vector<Scenario> list;
@@ -425,24 +488,31 @@ TEST(NvlinkGpu, W2GraphReplay100) {
   graphReplay(2);
 }
 
-// Rank 1 dispatches but never enters combine: rank 0 must get Error(kTimeout) naming rank 1, within the timeout.
-TEST(NvlinkGpu, W2PeerNeverEntersCombineTimesOut) {
-  REQUIRE_GPUS(2);
+// Rank 1 never enters `phase` ("dispatch": it makes no call at all; "combine": it dispatches, then stops): rank 0
+// must get Error(kTimeout) naming rank 1 and the phase, within the timeout, and the object then refuses further use.
+void peerNeverEnters(const std::string& phase) {
   setenv("EPCOMM_TIMEOUT_MS", "1500", 1);  // read once per process, in the children
   test::RunResult result = test::runRanks(
       2,
-      [](int rank, Bootstrap& bootstrap) {
+      [&](int rank, Bootstrap& bootstrap) {
         int count = 0;
         ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
         ASSERT_EQ(cudaSetDevice(rank % count), cudaSuccess);
         LoadedObject o(base(2), rank, bootstrap, 77);
         auto& a2a = o.a2a;
         DeviceTensors& dev = o.dev;
-        a2a->dispatch(dev.dispatch);
-        a2a->synchronize();
+        const bool skipDispatch = phase == "dispatch";
+        if (!skipDispatch) {
+          a2a->dispatch(dev.dispatch);
+          a2a->synchronize();
+        }
         if (rank == 0) {
           const auto start = std::chrono::steady_clock::now();
-          a2a->combine(dev.combine);
+          if (skipDispatch) {
+            a2a->dispatch(dev.dispatch);
+          } else {
+            a2a->combine(dev.combine);
+          }
           bool threw = false;
           try {
             a2a->synchronize();
@@ -450,10 +520,10 @@ TEST(NvlinkGpu, W2PeerNeverEntersCombineTimesOut) {
             threw = true;
             EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
             EXPECT_NE(e.message().find("peer rank 1"), std::string::npos) << e.what();
-            EXPECT_NE(e.message().find("combine"), std::string::npos) << e.what();
+            EXPECT_NE(e.message().find(phase), std::string::npos) << e.what();
           }
           const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-          EXPECT_TRUE(threw) << "no error after a peer skipped combine";
+          EXPECT_TRUE(threw) << "no error after a peer skipped " << phase;
           EXPECT_LT(ms, 1500 + 3000) << "the timeout took too long";
           // The object refuses further use with the same error; the context stays usable.
           EXPECT_THROW(a2a->dispatch(dev.dispatch), Error);
@@ -465,6 +535,17 @@ TEST(NvlinkGpu, W2PeerNeverEntersCombineTimesOut) {
       },
       options());
   EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+TEST(NvlinkGpu, W2PeerNeverEntersCombineTimesOut) {
+  REQUIRE_GPUS(2);
+  peerNeverEnters("combine");
+}
+
+// Line mode (automatic here): rank 0's receivers wait on rank 1's tagged token count and never see it.
+TEST(NvlinkGpu, W2PeerNeverDispatchesTimesOut) {
+  REQUIRE_GPUS(2);
+  peerNeverEnters("dispatch");
 }
 
 // Calls out of order are refused before anything is launched, and the object stays usable: combine before any

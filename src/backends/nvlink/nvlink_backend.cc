@@ -100,6 +100,7 @@ struct PeerInfo {
   uint32_t blocks;
   uint32_t pull;
   uint32_t pushQuarters;
+  uint32_t lines;
   int32_t device;
   uint64_t bytes;
 };
@@ -111,7 +112,8 @@ class NvlinkAllToAll final : public AllToAll {
     EPCOMM_CHECK_CUDA(cudaSetDevice(device_));
     int sms = 0;
     EPCOMM_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
-    geo_ = nvlink::makeGeometry(config, chooseBlocks(config, sms), env().nvlinkPull, env().nvlinkPushQuarters);
+    geo_ = nvlink::makeGeometry(config, chooseBlocks(config, sms), env().nvlinkPull, env().nvlinkPushQuarters,
+                               env().nvlinkLines);
     const uint32_t W = config.worldSize;
     EPCOMM_CHECK(W <= nvlink::kMaxRanks, kUnavailable,
                  "nvlink backend supports at most " << nvlink::kMaxRanks << " ranks, got " << W);
@@ -149,6 +151,7 @@ class NvlinkAllToAll final : public AllToAll {
     mine.blocks = geo_.blocks;
     mine.pull = geo_.pull;
     mine.pushQuarters = geo_.pushQuarters;
+    mine.lines = geo_.lines;
     mine.device = device_;
     mine.bytes = geo_.totalBytes;
     EPCOMM_CHECK_CUDA(cudaIpcGetMemHandle(&mine.handle, region_));
@@ -169,6 +172,9 @@ class NvlinkAllToAll final : public AllToAll {
                    "ranks disagree on the nvlink pushed share: rank "
                        << r << " pushes " << all[r].pushQuarters << " quarters, rank " << config.rank << " "
                        << geo_.pushQuarters << " (set EPCOMM_NVLINK_PUSH_QUARTERS equally)");
+      EPCOMM_CHECK(all[r].lines == geo_.lines, kInvalidConfig,
+                   "ranks disagree on the nvlink line mode: rank " << r << (all[r].lines ? " uses" : " does not use")
+                                                                   << " lines (set EPCOMM_NVLINK_LINES equally)");
       EPCOMM_CHECK(all[r].bytes == geo_.totalBytes, kInvalidConfig,
                    "ranks disagree on the buffer size: rank " << r << " has " << all[r].bytes);
     }

@@ -215,6 +215,26 @@ __device__ __forceinline__ void sentItem(const RowTables& rt, uint32_t W, uint32
   }
 }
 
+// Warp 0: the first row of every local expert from the experts' row totals: 0 in the batched layout (the expert stride
+// does the work), the prefix sum of the padded totals in the packed one. The caller synchronises afterwards.
+__device__ void expertRowBases(const int32_t* total, int32_t* rowBase, uint32_t L, bool packed, uint32_t padding) {
+  if (threadIdx.x >= 32) return;
+  const uint32_t lane = threadIdx.x;
+  int32_t carry = 0;
+  for (uint32_t c = 0; c < L; c += 32) {
+    const uint32_t le = c + lane;
+    int32_t v = 0;
+    if (packed && le < L) v = static_cast<int32_t>(roundUpPow2(static_cast<uint64_t>(total[le]), padding));
+    int32_t inc = v;
+    for (int o = 1; o < 32; o <<= 1) {
+      int32_t n = __shfl_up_sync(0xffffffffu, inc, o);
+      if (lane >= static_cast<uint32_t>(o)) inc += n;
+    }
+    if (le < L) rowBase[le] = carry + inc - v;
+    carry += __shfl_sync(0xffffffffu, inc, 31);
+  }
+}
+
 // Block-wide. The counts and token counts are tagged words (tagWord) of the senders' dispatch `round`: every
 // thread polls its share, so the tables are ready as soon as the words land (no route flag, no fence behind the
 // payload). Afterwards (combine) they are already there and the polls return at once.
@@ -243,22 +263,7 @@ __device__ RowTables computeRows(char* local, const Geometry& g, int32_t* smem, 
   }
   rt.ok = __syncthreads_and(ok ? 1 : 0) != 0;
   if (!rt.ok) return rt;
-  if (threadIdx.x < 32) {
-    const uint32_t lane = threadIdx.x;
-    int32_t carry = 0;
-    for (uint32_t c = 0; c < L; c += 32) {
-      const uint32_t le = c + lane;
-      int32_t v = 0;
-      if (packed && le < L) v = static_cast<int32_t>(roundUpPow2(static_cast<uint64_t>(rt.total[le]), padding));
-      int32_t inc = v;
-      for (int o = 1; o < 32; o <<= 1) {
-        int32_t n = __shfl_up_sync(0xffffffffu, inc, o);
-        if (lane >= static_cast<uint32_t>(o)) inc += n;
-      }
-      if (le < L) rt.rowBase[le] = carry + inc - v;
-      carry += __shfl_sync(0xffffffffu, inc, 31);
-    }
-  }
+  expertRowBases(rt.total, rt.rowBase, L, packed, padding);
   __syncthreads();
   return rt;
 }
@@ -414,18 +419,28 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
 // 16-byte vectors per lane in one work unit of dispatchPayload and expandTokens: kUnroll (4 KiB per warp), or half of
 // that when a full batch at kUnroll has fewer units than the kernel has warps (decode: 7 KB tokens were 2 units, so
 // 128 tokens kept only half the own-token blocks' warps busy, each storing ~4 rows of 4 KiB).
+// Line mode: a warp instruction moves 4 lines, so a unit is 4 x unitVectors(g) lines.
 __device__ __forceinline__ uint32_t unitVectors(const Geometry& g) {
-  const uint64_t full = ceilDiv(g.hiddenBytes / 16 == 0 ? 1 : g.hiddenBytes / 16, 32 * kUnroll);
+  const uint64_t full = g.lines ? ceilDiv(g.linesPerSlot, 4 * kUnroll)
+                                : ceilDiv(g.hiddenBytes / 16 == 0 ? 1 : g.hiddenBytes / 16, 32 * kUnroll);
   return static_cast<uint64_t>(g.slotsPerSender) * g.worldSize * full <= static_cast<uint64_t>(g.blocks) * kWarps
              ? kUnroll / 2
              : kUnroll;
 }
 
-// Work units per token of dispatchPayload and expandTokens: pieces of 32 lanes x unitVectors(g) 16-byte vectors.
-__device__ __forceinline__ uint32_t tokenPieces(const Geometry& g) {
+// Work units per token of a copy from x (pieces of 32 lanes x unitVectors(g) 16-byte vectors).
+__device__ __forceinline__ uint32_t vectorPieces(const Geometry& g) {
   const uint32_t units = g.hiddenBytes / 16;
   return units == 0 ? 1 : static_cast<uint32_t>(ceilDiv(units, 32 * unitVectors(g)));
 }
+
+// Line mode: work units per token of a copy of lines (4 x unitVectors(g) lines each).
+__device__ __forceinline__ uint32_t linePieces(const Geometry& g) {
+  return static_cast<uint32_t>(ceilDiv(g.linesPerSlot, 4 * unitVectors(g)));
+}
+
+// Work units per token of dispatchPayload and expandTokens (line mode: dispatchLines and expandLines).
+__device__ __forceinline__ uint32_t tokenPieces(const Geometry& g) { return g.lines ? linePieces(g) : vectorPieces(g); }
 
 // Send half, payload. Work unit = (token, piece of 32 * unitVectors(g) vectors), so a decode-sized batch spreads over
 // many warps; each unit issues all its loads (expert indices, payload vectors, scales) before the first store, so a
@@ -505,6 +520,368 @@ __device__ void dispatchPayload(const DispatchKernelArgs& a, uint32_t n, uint32_
       }
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Line mode (g.lines; nvlink_layout.hpp): the payload travels as tagged 128-byte lines and the senders' expert indices
+// as tagged words, so a receiver needs no flag and no fence: it ranks every sender's tokens itself as soon as their
+// indices land (computeLineTables), and copies each line as soon as its tag carries the round (expandLines).
+//
+// Lane layout: in one warp instruction lanes 8q .. 8q + 7 move one line; lane 8q + i (i < 7) holds stream bytes
+// [16 i, 16 i + 16) of the line's 120, lane 8q + 7 bytes [112, 120) and the tag.
+
+// Stream offset of this lane's first byte in line l.
+__device__ __forceinline__ uint32_t lineOffset(uint32_t l, uint32_t lane) { return l * kLineData + (lane % 8) * 16; }
+
+// Line of instruction i of unit `piece` that this lane's group of 8 moves.
+__device__ __forceinline__ uint32_t lineOf(const Geometry& g, uint32_t piece, uint32_t i, uint32_t lane) {
+  return (piece * unitVectors(g) + i) * 4 + lane / 8;
+}
+
+__device__ __forceinline__ uint64_t ldGlobalNc8(const void* p) {
+  uint64_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.u64 %0, [%1];" : "=l"(v) : "l"(p));
+  return v;
+}
+
+// 8 bytes of token t's stream at offset o (a multiple of 8; hiddenBytes is a multiple of 16, so the 8 bytes lie in
+// the payload or in the scales): from x, or scale words c, c + 1 (0 past the last).
+__device__ __forceinline__ uint64_t loadStream8(const DispatchKernelArgs& a, uint32_t t, uint32_t o) {
+  const Geometry& g = a.g;
+  if (o < g.hiddenBytes) return ldGlobalNc8(a.x + static_cast<int64_t>(t) * a.xRowStrideBytes + o);
+  const uint32_t c = (o - g.hiddenBytes) / 4, words = g.scaleBytes / 4;
+  const uint8_t* row = a.xScale + static_cast<int64_t>(t) * a.xScaleStrideBytes[0];
+  const uint64_t lo = c < words ? *reinterpret_cast<const uint32_t*>(row + c * a.xScaleStrideBytes[1]) : 0u;
+  const uint64_t hi = c + 1 < words ? *reinterpret_cast<const uint32_t*>(row + (c + 1) * a.xScaleStrideBytes[1]) : 0u;
+  return lo | (hi << 32);
+}
+
+// Stores 8 bytes of a token's stream at offset o into its expert row (payload at rowOff, scales at scaleOff).
+__device__ __forceinline__ void storeStream8(const DispatchKernelArgs& a, int64_t rowOff, int64_t scaleOff, uint32_t o,
+                                             uint64_t v) {
+  const Geometry& g = a.g;
+  if (o < g.hiddenBytes) {
+    *reinterpret_cast<uint64_t*>(a.outX + rowOff + o) = v;
+    return;
+  }
+  const uint32_t c = (o - g.hiddenBytes) / 4, words = g.scaleBytes / 4;
+  uint8_t* row = a.outScale + scaleOff;
+  if (c < words) *reinterpret_cast<uint32_t*>(row + c * a.outScaleStrideBytes[2]) = static_cast<uint32_t>(v);
+  if (c + 1 < words) *reinterpret_cast<uint32_t*>(row + (c + 1) * a.outScaleStrideBytes[2]) = static_cast<uint32_t>(v >> 32);
+}
+
+__device__ __forceinline__ void stLine16(void* p, uint64_t a, uint64_t b) {
+  asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");
+}
+
+__device__ __forceinline__ void ldLine16(const void* p, uint64_t& a, uint64_t& b) {
+  asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
+}
+
+// Send half, line mode. Warp 0 first stores this rank's token count into every rank; then per work unit (token,
+// piece): the unit's stream and, for piece 0, the token's K indices into every rank (tagged; before the payload, so
+// they do not queue behind it), then the lines into every rank in `destMask` that has one of the token's experts.
+__device__ void dispatchLines(const DispatchKernelArgs& a, uint32_t n, uint32_t warpId, uint32_t numWarps,
+                              uint32_t destMask, uint32_t round) {
+  const Geometry& g = a.g;
+  const uint32_t lane = threadIdx.x % 32;
+  const uint32_t K = g.topK, L = g.numLocalExperts, D = g.dpSize, W = g.worldSize, Ts = g.slotsPerSender;
+  if (warpId == 0 && lane < W) {
+    stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[lane] + g.offNumTokens) + g.rank, tagWord(round, n));
+  }
+  const uint32_t pieces = linePieces(g), vpl = unitVectors(g);
+  for (uint32_t wu = warpId; wu < n * pieces; wu += numWarps) {
+    const uint32_t j = wu / pieces, piece = wu % pieces;
+    const uint32_t t = j * D + g.rank % D;
+    int64_t e0 = -1;
+    if (lane < K) e0 = loadIndex(a.indices, a.indexKind, a.indexStrides, t, lane);
+    uint64_t v[kUnroll][2];
+#pragma unroll
+    for (int i = 0; i < kUnroll; ++i) {
+      const uint32_t l = lineOf(g, piece, i, lane), o = lineOffset(l, lane);
+      if (i < vpl && l < g.linesPerSlot) {
+        v[i][0] = loadStream8(a, t, o);
+        v[i][1] = lane % 8 == 7 ? static_cast<uint64_t>(round) : loadStream8(a, t, o + 8);
+      }
+    }
+    const bool valid = e0 >= 0 && e0 < static_cast<int64_t>(g.numExperts);
+    if (piece == 0 && lane < K) {
+      const uint64_t word = tagWord(round, valid ? static_cast<uint32_t>(e0) : 0xFFFFFFFFu);
+      const uint64_t off = g.offRawIdx + ((static_cast<uint64_t>(g.rank) * Ts + j) * K + lane) * sizeof(uint64_t);
+      for (uint32_t d = 0; d < W; ++d) stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[d] + off), word);
+    }
+    const uint32_t ranks =
+        __reduce_or_sync(0xffffffffu, valid ? 1u << (static_cast<uint32_t>(e0) / L) : 0u) & destMask;
+    const uint64_t slotOff = g.offPayload + (static_cast<uint64_t>(g.rank) * Ts + j) * g.slotBytes;
+    for (uint32_t m = ranks; m != 0; m &= m - 1) {
+      char* dst = a.peers[__ffs(m) - 1] + slotOff;
+#pragma unroll
+      for (int i = 0; i < kUnroll; ++i) {
+        const uint32_t l = lineOf(g, piece, i, lane);
+        if (i < vpl && l < g.linesPerSlot) stLine16(dst + l * kLineBytes + (lane % 8) * 16, v[i][0], v[i][1]);
+      }
+    }
+  }
+}
+
+// Line mode: the receiver's view of one round (smem, lineTableBytes): tokens of every sender in (sender, token)
+// order numbered from 0 (sender s's first is first[s]); for routing entry k of token number u, entLe[u K + k] is
+// the local expert (-1: none here, or a repeat of an earlier k of the token) and entRow[u K + k] its row.
+struct LineTables {
+  int32_t* first;    // [W + 1]
+  int32_t* total;    // [L] rows of each local expert
+  int32_t* rowBase;  // [L]
+  int32_t* entLe;    // [W Ts K]
+  int32_t* entRow;   // [W Ts K]
+  bool ok;           // false: a sender's indices never arrived (recorded); nothing else is valid
+};
+
+// Block-wide. Polls every sender's token count and expert indices (tagged words of `round`) and ranks the tokens per
+// local expert exactly as dispatchRouting does on the senders (rows by sender, then token; a token's repeated expert
+// gets one row), so the rows match the entries the combine reads. `smem` is free on entry.
+__device__ LineTables computeLineTables(const DispatchKernelArgs& a, int32_t* smem, uint32_t round) {
+  const Geometry& g = a.g;
+  const uint32_t W = g.worldSize, L = g.numLocalExperts, K = g.topK, Ts = g.slotsPerSender;
+  const uint32_t words = static_cast<uint32_t>(ceilDiv(static_cast<uint64_t>(W) * Ts, 32)) * L;
+  LineTables lt{};
+  lt.first = smem;
+  lt.total = lt.first + W + 1;
+  lt.rowBase = lt.total + L;
+  uint32_t* bits = reinterpret_cast<uint32_t*>(lt.rowBase + L);  // [ceil(W Ts / 32)][L]
+  int32_t* before = reinterpret_cast<int32_t*>(bits + words);   // [ceil(W Ts / 32)][L]
+  lt.entLe = before + words;
+  lt.entRow = lt.entLe + W * Ts * K;
+  const char* local = a.peers[g.rank];
+  const uint64_t* numTokens = reinterpret_cast<const uint64_t*>(local + g.offNumTokens);
+  const uint64_t* raw = reinterpret_cast<const uint64_t*>(local + g.offRawIdx);
+  const int32_t rank = static_cast<int32_t>(g.rank);
+  __syncthreads();  // the caller's last use of smem
+  bool ok = true;
+  if (threadIdx.x < W) {
+    uint32_t n = 0;
+    ok = waitTagged(numTokens + threadIdx.x, round, a.st, kPhaseDispatchRecv, rank, static_cast<int32_t>(threadIdx.x), n);
+    lt.first[threadIdx.x + 1] = static_cast<int32_t>(n);
+  }
+  for (uint32_t i = threadIdx.x; i < words; i += blockDim.x) bits[i] = 0;
+  if (__syncthreads_and(ok ? 1 : 0) == 0) {
+    lt.ok = false;
+    return lt;
+  }
+  if (threadIdx.x == 0) {
+    lt.first[0] = 0;
+    for (uint32_t s = 0; s < W; ++s) lt.first[s + 1] += lt.first[s];
+  }
+  __syncthreads();
+  const uint32_t tokens = static_cast<uint32_t>(lt.first[W]);
+  // Mark: bit u % 32 of bits[u / 32][le] for every token u with an entry for local expert le. A repeated expert finds
+  // its bit set already (atomicOr's old value) and gets no row; which of the repeats does may differ between runs,
+  // but all would write the same row with the same bytes.
+  for (uint32_t i = threadIdx.x; i < tokens * K && ok; i += blockDim.x) {
+    const uint32_t u = i / K, k = i % K;
+    uint32_t s = 0;
+    while (u >= static_cast<uint32_t>(lt.first[s + 1])) ++s;
+    const uint32_t j = u - static_cast<uint32_t>(lt.first[s]);
+    uint32_t e = 0;
+    ok = waitTagged(raw + (static_cast<uint64_t>(s) * Ts + j) * K + k, round, a.st, kPhaseDispatchRecv, rank,
+                    static_cast<int32_t>(s), e);
+    int32_t le = -1;
+    if (ok && e != 0xFFFFFFFFu && e / L == g.rank) {
+      const uint32_t bit = 1u << (u % 32);
+      if ((atomicOr(&bits[(u / 32) * L + e % L], bit) & bit) == 0) le = static_cast<int32_t>(e % L);
+    }
+    lt.entLe[i] = le;
+  }
+  if (__syncthreads_and(ok ? 1 : 0) == 0) {
+    lt.ok = false;
+    return lt;
+  }
+  const uint32_t groups = static_cast<uint32_t>(ceilDiv(tokens, 32));
+  for (uint32_t le = threadIdx.x; le < L; le += blockDim.x) {
+    int32_t r = 0;
+    for (uint32_t w = 0; w < groups; ++w) {
+      before[w * L + le] = r;
+      r += __popc(bits[w * L + le]);
+    }
+    lt.total[le] = r;
+  }
+  __syncthreads();
+  expertRowBases(lt.total, lt.rowBase, L, a.packed != 0, a.padding);
+  __syncthreads();
+  for (uint32_t i = threadIdx.x; i < tokens * K; i += blockDim.x) {
+    const int32_t le = lt.entLe[i];
+    if (le < 0) continue;
+    const uint32_t u = i / K, w = (u / 32) * L + static_cast<uint32_t>(le);
+    lt.entRow[i] = lt.rowBase[le] + before[w] + __popc(bits[w] & ((1u << (u % 32)) - 1));
+  }
+  __syncthreads();
+  lt.ok = true;
+  return lt;
+}
+
+// Polls instruction i's lines (this lane's 16 bytes) until every line the warp reads carries `round`; false (in
+// every lane) if sender `s` timed out (recorded) or another wait failed.
+__device__ __forceinline__ bool pollLines(const DispatchKernelArgs& a, const char* slot, uint32_t l, bool have,
+                                          uint32_t round, uint32_t s, uint64_t& v0, uint64_t& v1) {
+  const uint32_t lane = threadIdx.x % 32;
+  const char* p = slot + l * kLineBytes + (lane % 8) * 16;
+  auto ready = [&] { return !have || lane % 8 != 7 || v1 == round; };
+  if (__all_sync(0xffffffffu, ready())) return true;
+  const uint64_t start = globalTimerNs();
+  for (uint32_t it = 1;; ++it) {
+    if (have) ldLine16(p, v0, v1);
+    if (__all_sync(0xffffffffu, ready())) return true;
+    if ((it & 255) == 0) {
+      // Lane 0 decides for the warp, so the warp never stops without the error recorded.
+      bool stop = false;
+      if (lane == 0) {
+        stop = aborted(a.st);
+        if (!stop && globalTimerNs() - start > a.st.timeoutNs) {
+          recordError(a.st, kPhaseDispatchRecv, static_cast<int32_t>(a.g.rank), static_cast<int32_t>(s),
+                      static_cast<int64_t>(v1 >> 32), static_cast<int64_t>(round));
+          stop = true;
+        }
+      }
+      if (__shfl_sync(0xffffffffu, stop, 0)) return false;
+    }
+  }
+}
+
+// Line mode: expands tokens into their expert rows with the rows of computeLineTables. kOwn: this rank's own tokens
+// (fused kernel), straight from x in 16-byte vectors; else the tokens of every sender (or every other one, `skipOwn`)
+// from their lines in this rank's region, each unit's lines polled until they carry the round. Static schedule.
+template <bool kOwn>
+__device__ void expandLines(const DispatchKernelArgs& a, const LineTables& lt, uint32_t warpId, uint32_t numWarps,
+                            uint32_t round, bool skipOwn) {
+  const Geometry& g = a.g;
+  const uint32_t lane = threadIdx.x % 32;
+  const uint32_t K = g.topK, W = g.worldSize, D = g.dpSize, Ts = g.slotsPerSender;
+  const uint32_t units = g.hiddenBytes / 16, scaleWords = g.scaleBytes / 4, vpl = unitVectors(g);
+  const uint32_t ownFirst = static_cast<uint32_t>(lt.first[g.rank]);
+  const uint32_t ownN = static_cast<uint32_t>(lt.first[g.rank + 1]) - ownFirst;
+  const uint32_t items = kOwn ? ownN : static_cast<uint32_t>(lt.first[W]) - (skipOwn ? ownN : 0);
+  const uint32_t pieces = kOwn ? vectorPieces(g) : linePieces(g);
+  const char* local = a.peers[g.rank];
+  for (uint32_t wu = warpId; wu < items * pieces; wu += numWarps) {
+    const uint32_t item = wu / pieces, piece = wu % pieces;
+    const uint32_t u = kOwn ? ownFirst + item : (skipOwn && item >= ownFirst ? item + ownN : item);
+    uint32_t s = 0;
+    while (u >= static_cast<uint32_t>(lt.first[s + 1])) ++s;
+    const uint32_t j = u - static_cast<uint32_t>(lt.first[s]);
+    int4 x[kUnroll];
+    uint32_t sc[2] = {0, 0};
+    uint64_t v[kUnroll][2];
+    const uint32_t u0 = piece * 32 * vpl + lane;
+    const bool scales = piece == pieces - 1;
+    if constexpr (kOwn) {
+      const int64_t t = static_cast<int64_t>(j) * D + g.rank % D;
+      const uint8_t* src = a.x + t * a.xRowStrideBytes;
+#pragma unroll
+      for (int i = 0; i < kUnroll; ++i) {
+        const uint32_t uu = u0 + i * 32;
+        if (i < vpl && uu < units) x[i] = ldGlobalNc16(src + static_cast<uint64_t>(uu) * 16);
+      }
+      if (scales) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const uint32_t c = lane + 32 * i;
+          if (c < scaleWords) {
+            sc[i] = *reinterpret_cast<const uint32_t*>(a.xScale + t * a.xScaleStrideBytes[0] +
+                                                       static_cast<int64_t>(c) * a.xScaleStrideBytes[1]);
+          }
+        }
+      }
+    } else {
+      const char* slot = local + g.offPayload + (static_cast<uint64_t>(s) * Ts + j) * g.slotBytes;
+#pragma unroll
+      for (int i = 0; i < kUnroll; ++i) {
+        const uint32_t l = lineOf(g, piece, i, lane);
+        v[i][0] = v[i][1] = 0;
+        if (i < vpl && l < g.linesPerSlot) ldLine16(slot + l * kLineBytes + (lane % 8) * 16, v[i][0], v[i][1]);
+      }
+      bool ok = true;
+#pragma unroll
+      for (int i = 0; i < kUnroll; ++i) {
+        const uint32_t l = lineOf(g, piece, i, lane);
+        if (i < vpl && ok) ok = pollLines(a, slot, l, l < g.linesPerSlot, round, s, v[i][0], v[i][1]);
+      }
+      if (!ok) return;
+    }
+    int64_t rowOff = -1, scaleOff = 0;
+    if (lane < K) {
+      const int32_t le = lt.entLe[u * K + lane];
+      if (le >= 0) {
+        const int64_t idx = lt.entRow[u * K + lane];
+        rowOff = le * a.outExpertStrideBytes + idx * a.outRowStrideBytes;
+        scaleOff = le * a.outScaleStrideBytes[0] + idx * a.outScaleStrideBytes[1];
+      }
+    }
+    for (uint32_t m = __ballot_sync(0xffffffffu, rowOff >= 0); m != 0; m &= m - 1) {
+      const int b = __ffs(m) - 1;
+      const int64_t ro = __shfl_sync(0xffffffffu, rowOff, b), so = __shfl_sync(0xffffffffu, scaleOff, b);
+      if constexpr (kOwn) {
+        uint8_t* dst = a.outX + ro;
+#pragma unroll
+        for (int i = 0; i < kUnroll; ++i) {
+          const uint32_t uu = u0 + i * 32;
+          if (i < vpl && uu < units) st16(dst + static_cast<uint64_t>(uu) * 16, x[i]);
+        }
+        if (scales) {
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const uint32_t c = lane + 32 * i;
+            if (c < scaleWords) *reinterpret_cast<uint32_t*>(a.outScale + so + c * a.outScaleStrideBytes[2]) = sc[i];
+          }
+          for (uint32_t c = lane + 64; c < scaleWords; c += 32) {
+            const int64_t t = static_cast<int64_t>(j) * D + g.rank % D;
+            *reinterpret_cast<uint32_t*>(a.outScale + so + c * a.outScaleStrideBytes[2]) =
+                *reinterpret_cast<const uint32_t*>(a.xScale + t * a.xScaleStrideBytes[0] +
+                                                   static_cast<int64_t>(c) * a.xScaleStrideBytes[1]);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kUnroll; ++i) {
+          const uint32_t l = lineOf(g, piece, i, lane), o = lineOffset(l, lane);
+          if (i < vpl && l < g.linesPerSlot) {
+            storeStream8(a, ro, so, o, v[i][0]);
+            if (lane % 8 != 7) storeStream8(a, ro, so, o + 8, v[i][1]);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Fused dispatch in line mode (roles as in fusedDispatch): the routing blocks write the entries and counts that the
+// combine reads; the payload blocks store this rank's tokens into the other ranks as lines; every block then builds
+// the line tables (once the senders' indices land, ahead of their payload) and expands: the own-token blocks this
+// rank's tokens from x, the others the peers' tokens line by line as they land. Nothing waits for a flag or fence.
+__device__ void fusedDispatchLines(const DispatchKernelArgs& a, int32_t* smem, uint32_t n, uint32_t round,
+                                   uint32_t sendRound, uint32_t payloadBlocks) {
+  const Geometry& g = a.g;
+  const uint32_t B = gridDim.x, R = g.routeBlocks;
+  const uint32_t firstLocal = R + payloadBlocks;
+  if (blockIdx.x < R) {
+    if (!dispatchRouting(a, n, smem, blockIdx.x, sendRound)) return;
+    tracePoint(a.st, kTrRouted);
+  } else if (blockIdx.x < firstLocal) {
+    dispatchLines(a, n, spreadWarp(blockIdx.x - R, payloadBlocks), payloadBlocks * kWarps,
+                  allRanksMask(g) & ~(1u << g.rank), sendRound);
+    tracePoint(a.st, kTrStored);
+  }
+  const LineTables lt = computeLineTables(a, smem, round);
+  if (!lt.ok) return;
+  tracePoint(a.st, kTrRows);
+  if (blockIdx.x >= firstLocal) {
+    if (blockIdx.x == firstLocal) {
+      for (uint32_t le = threadIdx.x; le < g.numLocalExperts; le += blockDim.x) a.outNumTokens[le] = lt.total[le];
+    }
+    expandLines<true>(a, lt, spreadWarp(blockIdx.x - firstLocal, B - firstLocal), (B - firstLocal) * kWarps, round,
+                      false);
+    tracePoint(a.st, kTrOwnDone);
+    return;
+  }
+  expandLines<false>(a, lt, spreadWarp(blockIdx.x, firstLocal), firstLocal * kWarps, round, true);
 }
 
 // Which tokens expandTokens() writes and where it reads them.
@@ -786,7 +1163,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
       const uint32_t round = a.st.seq[kSeqDispatchRecv * B + blockIdx.x] + 1;
       const uint32_t n = numTokensSentBy(g.rank, effectiveBound(a.boundM, a.m), g.dpSize);
       clearNextQueues(a.st, round);
-      fusedDispatch(a, smem, n, round, seqSend + 1, payloadBlocks);
+      if (g.lines) {
+        fusedDispatchLines(a, smem, n, round, seqSend + 1, payloadBlocks);
+      } else {
+        fusedDispatch(a, smem, n, round, seqSend + 1, payloadBlocks);
+      }
       __syncthreads();
       tracePoint(a.st, kTrExit);
       if (threadIdx.x == 0 && !aborted(a.st)) {
@@ -809,16 +1190,36 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
     if (!router || B <= R) {  // B <= R only when B == 1: that block also copies
       const uint32_t payloadBlocks = B > R ? B - R : B;
       const uint32_t blk = B > R ? blockIdx.x - R : blockIdx.x;
-      dispatchPayload<kAllSlots>(a, n, spreadWarp(blk, payloadBlocks), payloadBlocks * kWarps, allRanksMask(g));
+      if (g.lines) {
+        dispatchLines(a, n, spreadWarp(blk, payloadBlocks), payloadBlocks * kWarps, allRanksMask(g), seq + 1);
+      } else {
+        dispatchPayload<kAllSlots>(a, n, spreadWarp(blk, payloadBlocks), payloadBlocks * kWarps, allRanksMask(g));
+      }
       tracePoint(a.st, kTrStored);
     }
     // Routing blocks too: their entries and counts are tagged words, but the receivers' dispatch flag counts B.
-    signalAllRanks(a.peers, g, kFlagDispatch);
-    tracePoint(a.st, kTrSignalled);
+    // Line mode: everything the receivers poll is tagged; no flag.
+    if (!g.lines) {
+      signalAllRanks(a.peers, g, kFlagDispatch);
+      tracePoint(a.st, kTrSignalled);
+    }
     if (threadIdx.x == 0) a.st.seq[kSeqDispatchSend * B + blockIdx.x] = seq + 1;
   }
   if constexpr (kRecv) {
     const uint32_t seq = a.st.seq[kSeqDispatchRecv * B + blockIdx.x] + 1;
+    if (g.lines) {
+      const LineTables lt = computeLineTables(a, smem, seq);
+      if (!lt.ok) return;
+      tracePoint(a.st, kTrRows);
+      if (blockIdx.x == 0) {
+        for (uint32_t le = threadIdx.x; le < g.numLocalExperts; le += blockDim.x) a.outNumTokens[le] = lt.total[le];
+      }
+      expandLines<false>(a, lt, spreadWarp(blockIdx.x, B), B * kWarps, seq, false);
+      __syncthreads();
+      tracePoint(a.st, kTrExit);
+      if (threadIdx.x == 0) a.st.seq[kSeqDispatchRecv * B + blockIdx.x] = seq;
+      return;
+    }
     if (!waitAllRanks(a.peers[g.rank], g, kFlagDispatch, static_cast<uint64_t>(seq) * g.blocks, a.st,
                       kPhaseDispatchRecv)) {
       return;

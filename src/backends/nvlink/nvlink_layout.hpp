@@ -53,7 +53,10 @@ EPCOMM_HD RouteEntry unpackEntry(uint32_t v) {
 ///   counts      u64 [W][L]              tokens sender s routed to each local expert, tagWord(send round, count)
 ///   route       u64 [W][K/2][Ts][2]     per sent token: its K entries as seen from this rank (see routeIndex),
 ///                                       tagWord(send round, packEntry(entry)); all three polled by the receivers
-///   payload     u8 [W][Ts][slotBytes]   token bytes then scales, slot = token index / D (pull: a sender stages
+///   rawIdx      u64 [W][Ts][K]          line mode: the sender's expert indices, tagWord(send round, index or
+///                                       0xFFFFFFFF); each receiver ranks the tokens itself (computeLineTables)
+///   payload     u8 [W][Ts][slotBytes]   token bytes then scales (line mode: as tagged lines), slot = token
+///                                       index / D (pull: a sender stages
 ///                                       its own tokens in slots [rank][*] of its own region, read by receivers)
 ///   weights     u64 [W][Ts][K]          router weights pushed by the token's sender at combine start, each
 ///                                       tagged with the sender's combine round (round << 32 | f32 bits)
@@ -73,8 +76,17 @@ struct Geometry {
   uint32_t pull;            ///< 1: a sender stages its tokens in its own region and receivers read them over NVLink
   uint32_t pushQuarters;    ///< pull mode: slots j with j % 4 < pushQuarters are pushed into the receivers anyway
                             ///< (0-4; 0 in push mode)
-  uint64_t offFlags, offNumTokens, offCounts, offRoute, offPayload, offWeights, offPartials, totalBytes;
+  uint32_t lines;           ///< 1: line mode (push mode only, see makeGeometry): slots hold tagged 128-byte lines
+  uint32_t linesPerSlot;    ///< line mode: ceil((hiddenBytes + scaleBytes) / kLineData)
+  uint64_t offFlags, offNumTokens, offCounts, offRoute, offRawIdx, offPayload, offWeights, offPartials, totalBytes;
 };
+
+/// Line mode (NCCL's LL128 pattern): a slot is a run of 128-byte lines, each 120 bytes of the token's stream (its
+/// payload bytes, then its scale words) and an 8-byte tag, the sender's round. A warp stores a line as 8 lanes x 16
+/// bytes in one instruction and a receiver reads it the same way; once the tag carries the round, the line's data is
+/// there too, with no fence and no flag between them (measured on 2x H200: `nvlink-line-probe`, docs/nvlink.md).
+constexpr uint32_t kLineBytes = 128;
+constexpr uint32_t kLineData = 120;
 
 EPCOMM_HD uint64_t align256(uint64_t x) { return roundUpPow2(x, 256); }
 
@@ -126,7 +138,11 @@ EPCOMM_HD uint64_t routeIndex(uint32_t K, uint32_t Ts, uint32_t s, uint32_t j, u
 /// `pushQuarters` (pull mode): quarters of every sender's slots pushed all the same, -1 automatic (1): they cross
 /// NVLink while the rest is staged locally, which the link would otherwise wait for. Values above 4 clamp to 4 here;
 /// EPCOMM_NVLINK_PUSH_QUARTERS outside [-1, 4] is already an error when the environment is read.
-inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1, int pushQuarters = -1) {
+/// `lineMode` (push mode with W > 1 and K <= 32 only): 1 on, 0 off, -1 automatic: on while the receivers' tables
+/// (lineTableBytes) stay small, W x Ts x K <= kAutoLineEntries (decode sizes).
+constexpr uint64_t kAutoLineEntries = 8192;
+inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1, int pushQuarters = -1,
+                             int lineMode = -1) {
   Geometry g{};
   g.worldSize = c.worldSize;
   g.rank = c.rank;
@@ -153,6 +169,12 @@ inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1
   g.pull = c.worldSize > 1 && pull ? 1 : 0;
   g.pushQuarters = g.pull ? static_cast<uint32_t>(pushQuarters < 0 ? 1 : pushQuarters > 4 ? 4 : pushQuarters) : 0;
   const uint64_t W = c.worldSize, Ts = g.slotsPerSender, K = c.expertsPerToken;
+  const bool linesPossible = c.worldSize > 1 && g.pull == 0 && K <= 32;
+  g.lines = linesPossible && (lineMode > 0 || (lineMode < 0 && W * Ts * K <= kAutoLineEntries)) ? 1 : 0;
+  if (g.lines) {
+    g.linesPerSlot = static_cast<uint32_t>(ceilDiv(c.hiddenDimBytes + c.hiddenDimScaleBytes, kLineData));
+    g.slotBytes = g.linesPerSlot * kLineBytes;
+  }
   uint64_t off = 0;
   g.offFlags = off;
   off = align256(off + kNumFlags * W * sizeof(uint64_t));
@@ -162,6 +184,8 @@ inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1
   off = align256(off + W * g.numLocalExperts * sizeof(uint64_t));
   g.offRoute = off;
   off = align256(off + W * Ts * roundUpPow2(K, 2) * sizeof(uint64_t));
+  g.offRawIdx = off;
+  off = align256(off + (g.lines ? W * Ts * K * sizeof(uint64_t) : 0));
   g.offPayload = off;
   off = align256(off + W * Ts * g.slotBytes);
   g.offWeights = off;
@@ -186,10 +210,20 @@ inline uint64_t routeScratchBytes(const Geometry& g) {
 
 /// Dynamic shared memory of every nvlink kernel: the sender's routing scan (bits and bases per warp per expert,
 /// running counts) or the receiver's row bases, whichever is larger.
+/// Line mode: the receivers' tables (computeLineTables), i32 words: first token of each sender [W + 1], expert totals
+/// and first rows [2][L], per 32 tokens and expert the tokens' bits and the rows before them [2][ceil(W Ts / 32)][L],
+/// per routing entry its local expert and row [2][W Ts K].
+inline uint64_t lineTableBytes(const Geometry& g) {
+  const uint64_t W = g.worldSize, L = g.numLocalExperts, Ts = g.slotsPerSender;
+  return (W + 1 + 2 * L + 2 * ceilDiv(W * Ts, 32) * L + 2 * W * Ts * g.topK) * 4;
+}
+
 inline uint32_t sharedBytes(const Geometry& g) {
   const uint64_t scan = (2ull * kWarps + 1) * g.numExperts * 4;
   const uint64_t rows = ((static_cast<uint64_t>(g.worldSize) + 2) * g.numLocalExperts + g.worldSize) * 4;
-  return static_cast<uint32_t>(scan > rows ? scan : rows);
+  uint64_t most = scan > rows ? scan : rows;
+  if (g.lines && lineTableBytes(g) > most) most = lineTableBytes(g);
+  return static_cast<uint32_t>(most);
 }
 
 /// Error record in host-mapped pinned memory, written by a kernel that timed out or saw a bad index; the host reads
