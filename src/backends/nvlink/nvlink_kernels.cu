@@ -672,6 +672,7 @@ __device__ LineTables computeLineTables(const DispatchKernelArgs& a, int32_t* sm
     for (uint32_t s = 0; s < W; ++s) lt.first[s + 1] += lt.first[s];
   }
   __syncthreads();
+  tracePoint(a.st, kTrPeersIn);
   const uint32_t tokens = static_cast<uint32_t>(lt.first[W]);
   // Mark: bit u % 32 of bits[u / 32][le] for every token u with an entry for local expert le. A repeated expert finds
   // its bit set already (atomicOr's old value) and gets no row; which of the repeats does may differ between runs,
@@ -695,6 +696,7 @@ __device__ LineTables computeLineTables(const DispatchKernelArgs& a, int32_t* sm
     lt.ok = false;
     return lt;
   }
+  tracePoint(a.st, kTrRoutesIn);
   const uint32_t groups = static_cast<uint32_t>(ceilDiv(tokens, 32));
   for (uint32_t le = threadIdx.x; le < L; le += blockDim.x) {
     int32_t r = 0;
@@ -767,6 +769,18 @@ __device__ void expandLines(const DispatchKernelArgs& a, const LineTables& lt, u
     uint32_t s = 0;
     while (u >= static_cast<uint32_t>(lt.first[s + 1])) ++s;
     const uint32_t j = u - static_cast<uint32_t>(lt.first[s]);
+    // The token's rows here first: a token with none here was not sent here (its lines never come).
+    int64_t rowOff = -1, scaleOff = 0;
+    if (lane < K) {
+      const int32_t le = lt.entLe[u * K + lane];
+      if (le >= 0) {
+        const int64_t idx = lt.entRow[u * K + lane];
+        rowOff = le * a.outExpertStrideBytes + idx * a.outRowStrideBytes;
+        scaleOff = le * a.outScaleStrideBytes[0] + idx * a.outScaleStrideBytes[1];
+      }
+    }
+    const uint32_t rows = __ballot_sync(0xffffffffu, rowOff >= 0);
+    if (rows == 0) continue;
     int4 x[kUnroll];
     uint32_t sc[2] = {0, 0};
     uint64_t v[kUnroll][2];
@@ -806,16 +820,7 @@ __device__ void expandLines(const DispatchKernelArgs& a, const LineTables& lt, u
       }
       if (!ok) return;
     }
-    int64_t rowOff = -1, scaleOff = 0;
-    if (lane < K) {
-      const int32_t le = lt.entLe[u * K + lane];
-      if (le >= 0) {
-        const int64_t idx = lt.entRow[u * K + lane];
-        rowOff = le * a.outExpertStrideBytes + idx * a.outRowStrideBytes;
-        scaleOff = le * a.outScaleStrideBytes[0] + idx * a.outScaleStrideBytes[1];
-      }
-    }
-    for (uint32_t m = __ballot_sync(0xffffffffu, rowOff >= 0); m != 0; m &= m - 1) {
+    for (uint32_t m = rows; m != 0; m &= m - 1) {
       const int b = __ffs(m) - 1;
       const int64_t ro = __shfl_sync(0xffffffffu, rowOff, b), so = __shfl_sync(0xffffffffu, scaleOff, b);
       if constexpr (kOwn) {
