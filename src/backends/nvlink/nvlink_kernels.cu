@@ -23,6 +23,7 @@ using device::laneMaskLt;
 using device::ldAcquireSys;
 using device::ldGlobalNc16;
 using device::ldRelaxedSys;
+using device::ldVolatile16;
 using device::redAddRelaxedSys;
 using device::st16;
 using device::stRelaxedSys;
@@ -527,89 +528,105 @@ __device__ void dispatchPayload(const DispatchKernelArgs& a, uint32_t n, uint32_
 // as tagged words, so a receiver needs no flag and no fence: it ranks every sender's tokens itself as soon as their
 // indices land (computeLineTables), and copies each line as soon as its tag carries the round (expandLines).
 //
-// Lane layout: in one warp instruction lanes 8q .. 8q + 7 move one line; lane 8q + i (i < 7) holds stream bytes
-// [16 i, 16 i + 16) of the line's 120, lane 8q + 7 bytes [112, 120) and the tag.
+// A token's stream is its payload bytes, then its scale words, in 16-byte chunks (hiddenBytes is a multiple of 16).
+// In one warp instruction lanes 8q .. 8q + 7 move one line l: lane 8q + i (i < 7) chunk 7 l + i, lane 8q + 7 the tag.
 
-// Stream offset of this lane's first byte in line l.
-__device__ __forceinline__ uint32_t lineOffset(uint32_t l, uint32_t lane) { return l * kLineData + (lane % 8) * 16; }
-
-// Line of instruction i of unit `piece` that this lane's group of 8 moves.
-__device__ __forceinline__ uint32_t lineOf(const Geometry& g, uint32_t piece, uint32_t i, uint32_t lane) {
-  return (piece * unitVectors(g) + i) * 4 + lane / 8;
+// Chunks of a token's stream.
+__device__ __forceinline__ uint32_t streamChunks(const Geometry& g) {
+  return static_cast<uint32_t>(ceilDiv(g.hiddenBytes + g.scaleBytes, 16));
 }
 
-__device__ __forceinline__ uint64_t ldGlobalNc8(const void* p) {
-  uint64_t v;
-  asm volatile("ld.global.nc.L1::no_allocate.u64 %0, [%1];" : "=l"(v) : "l"(p));
-  return v;
+// Line of instruction i of unit `piece` that this lane's group of 8 moves (vpl = unitVectors(g)).
+__device__ __forceinline__ uint32_t lineOf(uint32_t piece, uint32_t vpl, uint32_t i, uint32_t lane) {
+  return (piece * vpl + i) * 4 + lane / 8;
 }
 
-// 8 bytes of token t's stream at offset o (a multiple of 8; hiddenBytes is a multiple of 16, so the 8 bytes lie in
-// the payload or in the scales): from x, or scale words c, c + 1 (0 past the last).
-__device__ __forceinline__ uint64_t loadStream8(const DispatchKernelArgs& a, uint32_t t, uint32_t o) {
+// Chunk c of token t's stream: a payload vector of x, or four scale words (0 past the last).
+__device__ __forceinline__ int4 loadChunk(const DispatchKernelArgs& a, uint32_t t, uint32_t c) {
   const Geometry& g = a.g;
-  if (o < g.hiddenBytes) return ldGlobalNc8(a.x + static_cast<int64_t>(t) * a.xRowStrideBytes + o);
-  const uint32_t c = (o - g.hiddenBytes) / 4, words = g.scaleBytes / 4;
+  const uint32_t h = g.hiddenBytes / 16, words = g.scaleBytes / 4;
+  if (c < h) return ldGlobalNc16(a.x + static_cast<int64_t>(t) * a.xRowStrideBytes + static_cast<uint64_t>(c) * 16);
   const uint8_t* row = a.xScale + static_cast<int64_t>(t) * a.xScaleStrideBytes[0];
-  const uint64_t lo = c < words ? *reinterpret_cast<const uint32_t*>(row + c * a.xScaleStrideBytes[1]) : 0u;
-  const uint64_t hi = c + 1 < words ? *reinterpret_cast<const uint32_t*>(row + (c + 1) * a.xScaleStrideBytes[1]) : 0u;
-  return lo | (hi << 32);
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t k = (c - h) * 4 + i;
+    w[i] = k < words ? *reinterpret_cast<const uint32_t*>(row + static_cast<int64_t>(k) * a.xScaleStrideBytes[1]) : 0u;
+  }
+  return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
 }
 
-// Stores 8 bytes of a token's stream at offset o into its expert row (payload at rowOff, scales at scaleOff).
-__device__ __forceinline__ void storeStream8(const DispatchKernelArgs& a, int64_t rowOff, int64_t scaleOff, uint32_t o,
-                                             uint64_t v) {
+// Stores chunk c of a token's stream into its expert row (payload at rowOff of outX, scales at scaleOff of outScale).
+__device__ __forceinline__ void storeChunk(const DispatchKernelArgs& a, int64_t rowOff, int64_t scaleOff, uint32_t c,
+                                           int4 v) {
   const Geometry& g = a.g;
-  if (o < g.hiddenBytes) {
-    *reinterpret_cast<uint64_t*>(a.outX + rowOff + o) = v;
+  const uint32_t h = g.hiddenBytes / 16, words = g.scaleBytes / 4;
+  if (c < h) {
+    st16(a.outX + rowOff + static_cast<uint64_t>(c) * 16, v);
     return;
   }
-  const uint32_t c = (o - g.hiddenBytes) / 4, words = g.scaleBytes / 4;
-  uint8_t* row = a.outScale + scaleOff;
-  if (c < words) *reinterpret_cast<uint32_t*>(row + c * a.outScaleStrideBytes[2]) = static_cast<uint32_t>(v);
-  if (c + 1 < words) *reinterpret_cast<uint32_t*>(row + (c + 1) * a.outScaleStrideBytes[2]) = static_cast<uint32_t>(v >> 32);
+  const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+                         static_cast<uint32_t>(v.w)};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t k = (c - h) * 4 + i;
+    if (k < words) *reinterpret_cast<uint32_t*>(a.outScale + scaleOff + k * a.outScaleStrideBytes[2]) = w[i];
+  }
 }
 
-__device__ __forceinline__ void stLine16(void* p, uint64_t a, uint64_t b) {
-  asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");
+// A line's 16 bytes per lane, stored and loaded in one instruction per warp (the pattern `nvlink-line-probe` checks).
+__device__ __forceinline__ void stLine16(void* p, int4 v) {
+  asm volatile("st.volatile.global.v4.s32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
 }
 
-__device__ __forceinline__ void ldLine16(const void* p, uint64_t& a, uint64_t& b) {
-  asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
+// The tag lane's 16 bytes: the round in the second 8 (the first 8 unused).
+__device__ __forceinline__ int4 lineTag(uint32_t round) { return make_int4(0, 0, static_cast<int>(round), 0); }
+__device__ __forceinline__ bool tagIs(int4 v, uint32_t round) {
+  return static_cast<uint32_t>(v.z) == round && v.w == 0;
 }
 
-// Send half, line mode. Warp 0 first stores this rank's token count into every rank; then per work unit (token,
-// piece): the unit's stream and, for piece 0, the token's K indices into every rank (tagged; before the payload, so
-// they do not queue behind it), then the lines into every rank in `destMask` that has one of the token's experts.
-__device__ void dispatchLines(const DispatchKernelArgs& a, uint32_t n, uint32_t warpId, uint32_t numWarps,
-                              uint32_t destMask, uint32_t round) {
+// Line mode: this rank's token count and every token's K expert indices, as tagged words of `round`, into every rank
+// (its own too). The fused kernel's own-token blocks call it first thing, before the payload blocks' first store, so
+// the indices do not queue behind the payload on the links; the split send half calls it before the payload.
+__device__ void sendLineIndices(const DispatchKernelArgs& a, uint32_t n, uint32_t warpId, uint32_t numWarps,
+                                uint32_t round) {
   const Geometry& g = a.g;
-  const uint32_t lane = threadIdx.x % 32;
-  const uint32_t K = g.topK, L = g.numLocalExperts, D = g.dpSize, W = g.worldSize, Ts = g.slotsPerSender;
+  const uint32_t lane = threadIdx.x % 32, K = g.topK, W = g.worldSize, D = g.dpSize, Ts = g.slotsPerSender;
   if (warpId == 0 && lane < W) {
     stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[lane] + g.offNumTokens) + g.rank, tagWord(round, n));
   }
-  const uint32_t pieces = linePieces(g), vpl = unitVectors(g);
+  for (uint32_t i = warpId * 32 + lane; i < n * K; i += numWarps * 32) {
+    const uint32_t j = i / K, k = i % K;
+    const int64_t e = loadIndex(a.indices, a.indexKind, a.indexStrides, j * D + g.rank % D, k);
+    const uint64_t word =
+        tagWord(round, e >= 0 && e < static_cast<int64_t>(g.numExperts) ? static_cast<uint32_t>(e) : 0xFFFFFFFFu);
+    const uint64_t off = g.offRawIdx + ((static_cast<uint64_t>(g.rank) * Ts + j) * K + k) * sizeof(uint64_t);
+    for (uint32_t d = 0; d < W; ++d) stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[d] + off), word);
+  }
+}
+
+// Send half, line mode: per work unit (token, piece) the unit's lines into every rank in `destMask` that has one of
+// the token's experts. The indices travel separately (sendLineIndices).
+__device__ void dispatchLines(const DispatchKernelArgs& a, uint32_t n, uint32_t warpId, uint32_t numWarps,
+                              uint32_t destMask, uint32_t round) {
+  const Geometry& g = a.g;
+  const uint32_t lane = threadIdx.x % 32, K = g.topK, L = g.numLocalExperts, D = g.dpSize, Ts = g.slotsPerSender;
+  const uint32_t pieces = linePieces(g), vpl = unitVectors(g), chunks = streamChunks(g);
   for (uint32_t wu = warpId; wu < n * pieces; wu += numWarps) {
     const uint32_t j = wu / pieces, piece = wu % pieces;
     const uint32_t t = j * D + g.rank % D;
     int64_t e0 = -1;
     if (lane < K) e0 = loadIndex(a.indices, a.indexKind, a.indexStrides, t, lane);
-    uint64_t v[kUnroll][2];
+    int4 v[kUnroll];
 #pragma unroll
     for (int i = 0; i < kUnroll; ++i) {
-      const uint32_t l = lineOf(g, piece, i, lane), o = lineOffset(l, lane);
+      const uint32_t l = lineOf(piece, vpl, i, lane), c = l * 7 + lane % 8;
       if (i < vpl && l < g.linesPerSlot) {
-        v[i][0] = loadStream8(a, t, o);
-        v[i][1] = lane % 8 == 7 ? static_cast<uint64_t>(round) : loadStream8(a, t, o + 8);
+        v[i] = lane % 8 == 7 ? lineTag(round) : c < chunks ? loadChunk(a, t, c) : make_int4(0, 0, 0, 0);
       }
     }
     const bool valid = e0 >= 0 && e0 < static_cast<int64_t>(g.numExperts);
-    if (piece == 0 && lane < K) {
-      const uint64_t word = tagWord(round, valid ? static_cast<uint32_t>(e0) : 0xFFFFFFFFu);
-      const uint64_t off = g.offRawIdx + ((static_cast<uint64_t>(g.rank) * Ts + j) * K + lane) * sizeof(uint64_t);
-      for (uint32_t d = 0; d < W; ++d) stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[d] + off), word);
-    }
     const uint32_t ranks =
         __reduce_or_sync(0xffffffffu, valid ? 1u << (static_cast<uint32_t>(e0) / L) : 0u) & destMask;
     const uint64_t slotOff = g.offPayload + (static_cast<uint64_t>(g.rank) * Ts + j) * g.slotBytes;
@@ -617,8 +634,8 @@ __device__ void dispatchLines(const DispatchKernelArgs& a, uint32_t n, uint32_t 
       char* dst = a.peers[__ffs(m) - 1] + slotOff;
 #pragma unroll
       for (int i = 0; i < kUnroll; ++i) {
-        const uint32_t l = lineOf(g, piece, i, lane);
-        if (i < vpl && l < g.linesPerSlot) stLine16(dst + l * kLineBytes + (lane % 8) * 16, v[i][0], v[i][1]);
+        const uint32_t l = lineOf(piece, vpl, i, lane);
+        if (i < vpl && l < g.linesPerSlot) stLine16(dst + l * kLineBytes + (lane % 8) * 16, v[i]);
       }
     }
   }
@@ -635,6 +652,13 @@ struct LineTables {
   int32_t* entRow;   // [W Ts K]
   bool ok;           // false: a sender's indices never arrived (recorded); nothing else is valid
 };
+
+// Sender of token number u (first[s] <= u < first[s + 1]).
+__device__ __forceinline__ uint32_t senderOf(const LineTables& lt, uint32_t u) {
+  uint32_t s = 0;
+  while (u >= static_cast<uint32_t>(lt.first[s + 1])) ++s;
+  return s;
+}
 
 // Block-wide. Polls every sender's token count and expert indices (tagged words of `round`) and ranks the tokens per
 // local expert exactly as dispatchRouting does on the senders (rows by sender, then token; a token's repeated expert
@@ -663,41 +687,49 @@ __device__ LineTables computeLineTables(const DispatchKernelArgs& a, int32_t* sm
     lt.first[threadIdx.x + 1] = static_cast<int32_t>(n);
   }
   for (uint32_t i = threadIdx.x; i < words; i += blockDim.x) bits[i] = 0;
-  if (__syncthreads_and(ok ? 1 : 0) == 0) {
-    lt.ok = false;
-    return lt;
-  }
+  if (__syncthreads_and(ok ? 1 : 0) == 0) return lt;
   if (threadIdx.x == 0) {
     lt.first[0] = 0;
     for (uint32_t s = 0; s < W; ++s) lt.first[s + 1] += lt.first[s];
   }
   __syncthreads();
   tracePoint(a.st, kTrPeersIn);
-  const uint32_t tokens = static_cast<uint32_t>(lt.first[W]);
+  const uint32_t entries = static_cast<uint32_t>(lt.first[W]) * K;
   // Mark: bit u % 32 of bits[u / 32][le] for every token u with an entry for local expert le. A repeated expert finds
   // its bit set already (atomicOr's old value) and gets no row; which of the repeats does may differ between runs,
-  // but all would write the same row with the same bytes.
-  for (uint32_t i = threadIdx.x; i < tokens * K && ok; i += blockDim.x) {
-    const uint32_t u = i / K, k = i % K;
-    uint32_t s = 0;
-    while (u >= static_cast<uint32_t>(lt.first[s + 1])) ++s;
-    const uint32_t j = u - static_cast<uint32_t>(lt.first[s]);
-    uint32_t e = 0;
-    ok = waitTagged(raw + (static_cast<uint64_t>(s) * Ts + j) * K + k, round, a.st, kPhaseDispatchRecv, rank,
-                    static_cast<int32_t>(s), e);
-    int32_t le = -1;
-    if (ok && e != 0xFFFFFFFFu && e / L == g.rank) {
-      const uint32_t bit = 1u << (u % 32);
-      if ((atomicOr(&bits[(u / 32) * L + e % L], bit) & bit) == 0) le = static_cast<int32_t>(e % L);
+  // but all would write the same row with the same bytes. Four entries per thread per pass, their loads together.
+  constexpr int kBatch = 4;
+  for (uint32_t i0 = 0; i0 < entries && ok; i0 += kBatch * blockDim.x) {
+    const uint64_t* p[kBatch];
+    uint64_t w[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const uint32_t i = i0 + b * blockDim.x + threadIdx.x, u = i / K;
+      if (i < entries) {
+        const uint32_t s = senderOf(lt, u);
+        p[b] = raw + (static_cast<uint64_t>(s) * Ts + u - static_cast<uint32_t>(lt.first[s])) * K + i % K;
+        w[b] = ldRelaxedSys(p[b]);
+      }
     }
-    lt.entLe[i] = le;
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const uint32_t i = i0 + b * blockDim.x + threadIdx.x, u = i / K;
+      if (i >= entries || !ok) continue;
+      uint32_t e = static_cast<uint32_t>(w[b]);
+      if ((w[b] >> 32) != round) {
+        ok = waitTagged(p[b], round, a.st, kPhaseDispatchRecv, rank, static_cast<int32_t>(senderOf(lt, u)), e);
+      }
+      int32_t le = -1;
+      if (ok && e != 0xFFFFFFFFu && e / L == g.rank) {
+        const uint32_t bit = 1u << (u % 32);
+        if ((atomicOr(&bits[(u / 32) * L + e % L], bit) & bit) == 0) le = static_cast<int32_t>(e % L);
+      }
+      lt.entLe[i] = le;
+    }
   }
-  if (__syncthreads_and(ok ? 1 : 0) == 0) {
-    lt.ok = false;
-    return lt;
-  }
+  if (__syncthreads_and(ok ? 1 : 0) == 0) return lt;
   tracePoint(a.st, kTrRoutesIn);
-  const uint32_t groups = static_cast<uint32_t>(ceilDiv(tokens, 32));
+  const uint32_t groups = static_cast<uint32_t>(ceilDiv(entries / K, 32));
   for (uint32_t le = threadIdx.x; le < L; le += blockDim.x) {
     int32_t r = 0;
     for (uint32_t w = 0; w < groups; ++w) {
@@ -709,7 +741,7 @@ __device__ LineTables computeLineTables(const DispatchKernelArgs& a, int32_t* sm
   __syncthreads();
   expertRowBases(lt.total, lt.rowBase, L, a.packed != 0, a.padding);
   __syncthreads();
-  for (uint32_t i = threadIdx.x; i < tokens * K; i += blockDim.x) {
+  for (uint32_t i = threadIdx.x; i < entries; i += blockDim.x) {
     const int32_t le = lt.entLe[i];
     if (le < 0) continue;
     const uint32_t u = i / K, w = (u / 32) * L + static_cast<uint32_t>(le);
@@ -720,17 +752,17 @@ __device__ LineTables computeLineTables(const DispatchKernelArgs& a, int32_t* sm
   return lt;
 }
 
-// Polls instruction i's lines (this lane's 16 bytes) until every line the warp reads carries `round`; false (in
-// every lane) if sender `s` timed out (recorded) or another wait failed.
+// Polls this lane's 16 bytes of line l (`have`: the lane has a line) until every line of the warp's instruction
+// carries `round`; false (in every lane) if sender `s` timed out (recorded) or another wait failed.
 __device__ __forceinline__ bool pollLines(const DispatchKernelArgs& a, const char* slot, uint32_t l, bool have,
-                                          uint32_t round, uint32_t s, uint64_t& v0, uint64_t& v1) {
+                                          uint32_t round, uint32_t s, int4& v) {
   const uint32_t lane = threadIdx.x % 32;
   const char* p = slot + l * kLineBytes + (lane % 8) * 16;
-  auto ready = [&] { return !have || lane % 8 != 7 || v1 == round; };
+  auto ready = [&] { return !have || lane % 8 != 7 || tagIs(v, round); };
   if (__all_sync(0xffffffffu, ready())) return true;
   const uint64_t start = globalTimerNs();
   for (uint32_t it = 1;; ++it) {
-    if (have) ldLine16(p, v0, v1);
+    if (have) v = ldVolatile16(p);
     if (__all_sync(0xffffffffu, ready())) return true;
     if ((it & 255) == 0) {
       // Lane 0 decides for the warp, so the warp never stops without the error recorded.
@@ -738,8 +770,8 @@ __device__ __forceinline__ bool pollLines(const DispatchKernelArgs& a, const cha
       if (lane == 0) {
         stop = aborted(a.st);
         if (!stop && globalTimerNs() - start > a.st.timeoutNs) {
-          recordError(a.st, kPhaseDispatchRecv, static_cast<int32_t>(a.g.rank), static_cast<int32_t>(s),
-                      static_cast<int64_t>(v1 >> 32), static_cast<int64_t>(round));
+          recordError(a.st, kPhaseDispatchRecv, static_cast<int32_t>(a.g.rank), static_cast<int32_t>(s), -1,
+                      static_cast<int64_t>(round));
           stop = true;
         }
       }
@@ -748,27 +780,24 @@ __device__ __forceinline__ bool pollLines(const DispatchKernelArgs& a, const cha
   }
 }
 
-// Line mode: expands tokens into their expert rows with the rows of computeLineTables. kOwn: this rank's own tokens
-// (fused kernel), straight from x in 16-byte vectors; else the tokens of every sender (or every other one, `skipOwn`)
-// from their lines in this rank's region, each unit's lines polled until they carry the round. Static schedule.
+// Line mode: expands tokens into their expert rows with the rows of computeLineTables, a unit's chunks laid out as its
+// lines. kOwn: this rank's own tokens (fused kernel), straight from x; else the tokens of every sender (or every
+// other one, `skipOwn`) from their lines in this rank's region, each polled until it carries the round. Static
+// schedule.
 template <bool kOwn>
 __device__ void expandLines(const DispatchKernelArgs& a, const LineTables& lt, uint32_t warpId, uint32_t numWarps,
                             uint32_t round, bool skipOwn) {
   const Geometry& g = a.g;
-  const uint32_t lane = threadIdx.x % 32;
-  const uint32_t K = g.topK, W = g.worldSize, D = g.dpSize, Ts = g.slotsPerSender;
-  const uint32_t units = g.hiddenBytes / 16, scaleWords = g.scaleBytes / 4, vpl = unitVectors(g);
+  const uint32_t lane = threadIdx.x % 32, K = g.topK, W = g.worldSize, D = g.dpSize, Ts = g.slotsPerSender;
+  const uint32_t pieces = linePieces(g), vpl = unitVectors(g), chunks = streamChunks(g);
   const uint32_t ownFirst = static_cast<uint32_t>(lt.first[g.rank]);
   const uint32_t ownN = static_cast<uint32_t>(lt.first[g.rank + 1]) - ownFirst;
   const uint32_t items = kOwn ? ownN : static_cast<uint32_t>(lt.first[W]) - (skipOwn ? ownN : 0);
-  const uint32_t pieces = kOwn ? vectorPieces(g) : linePieces(g);
   const char* local = a.peers[g.rank];
   for (uint32_t wu = warpId; wu < items * pieces; wu += numWarps) {
     const uint32_t item = wu / pieces, piece = wu % pieces;
     const uint32_t u = kOwn ? ownFirst + item : (skipOwn && item >= ownFirst ? item + ownN : item);
-    uint32_t s = 0;
-    while (u >= static_cast<uint32_t>(lt.first[s + 1])) ++s;
-    const uint32_t j = u - static_cast<uint32_t>(lt.first[s]);
+    const uint32_t s = senderOf(lt, u), j = u - static_cast<uint32_t>(lt.first[s]);
     // The token's rows here first: a token with none here was not sent here (its lines never come).
     int64_t rowOff = -1, scaleOff = 0;
     if (lane < K) {
@@ -781,91 +810,53 @@ __device__ void expandLines(const DispatchKernelArgs& a, const LineTables& lt, u
     }
     const uint32_t rows = __ballot_sync(0xffffffffu, rowOff >= 0);
     if (rows == 0) continue;
-    int4 x[kUnroll];
-    uint32_t sc[2] = {0, 0};
-    uint64_t v[kUnroll][2];
-    const uint32_t u0 = piece * 32 * vpl + lane;
-    const bool scales = piece == pieces - 1;
+    int4 v[kUnroll];
     if constexpr (kOwn) {
-      const int64_t t = static_cast<int64_t>(j) * D + g.rank % D;
-      const uint8_t* src = a.x + t * a.xRowStrideBytes;
+      const uint32_t t = j * D + g.rank % D;
 #pragma unroll
       for (int i = 0; i < kUnroll; ++i) {
-        const uint32_t uu = u0 + i * 32;
-        if (i < vpl && uu < units) x[i] = ldGlobalNc16(src + static_cast<uint64_t>(uu) * 16);
-      }
-      if (scales) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const uint32_t c = lane + 32 * i;
-          if (c < scaleWords) {
-            sc[i] = *reinterpret_cast<const uint32_t*>(a.xScale + t * a.xScaleStrideBytes[0] +
-                                                       static_cast<int64_t>(c) * a.xScaleStrideBytes[1]);
-          }
-        }
+        const uint32_t c = lineOf(piece, vpl, i, lane) * 7 + lane % 8;
+        if (i < vpl && lane % 8 != 7 && c < chunks) v[i] = loadChunk(a, t, c);
       }
     } else {
       const char* slot = local + g.offPayload + (static_cast<uint64_t>(s) * Ts + j) * g.slotBytes;
 #pragma unroll
       for (int i = 0; i < kUnroll; ++i) {
-        const uint32_t l = lineOf(g, piece, i, lane);
-        v[i][0] = v[i][1] = 0;
-        if (i < vpl && l < g.linesPerSlot) ldLine16(slot + l * kLineBytes + (lane % 8) * 16, v[i][0], v[i][1]);
+        const uint32_t l = lineOf(piece, vpl, i, lane);
+        v[i] = make_int4(0, 0, 0, 0);
+        if (i < vpl && l < g.linesPerSlot) v[i] = ldVolatile16(slot + l * kLineBytes + (lane % 8) * 16);
       }
       bool ok = true;
 #pragma unroll
       for (int i = 0; i < kUnroll; ++i) {
-        const uint32_t l = lineOf(g, piece, i, lane);
-        if (i < vpl && ok) ok = pollLines(a, slot, l, l < g.linesPerSlot, round, s, v[i][0], v[i][1]);
+        const uint32_t l = lineOf(piece, vpl, i, lane);
+        if (i < vpl && ok) ok = pollLines(a, slot, l, l < g.linesPerSlot, round, s, v[i]);
       }
       if (!ok) return;
     }
     for (uint32_t m = rows; m != 0; m &= m - 1) {
       const int b = __ffs(m) - 1;
       const int64_t ro = __shfl_sync(0xffffffffu, rowOff, b), so = __shfl_sync(0xffffffffu, scaleOff, b);
-      if constexpr (kOwn) {
-        uint8_t* dst = a.outX + ro;
 #pragma unroll
-        for (int i = 0; i < kUnroll; ++i) {
-          const uint32_t uu = u0 + i * 32;
-          if (i < vpl && uu < units) st16(dst + static_cast<uint64_t>(uu) * 16, x[i]);
-        }
-        if (scales) {
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const uint32_t c = lane + 32 * i;
-            if (c < scaleWords) *reinterpret_cast<uint32_t*>(a.outScale + so + c * a.outScaleStrideBytes[2]) = sc[i];
-          }
-          for (uint32_t c = lane + 64; c < scaleWords; c += 32) {
-            const int64_t t = static_cast<int64_t>(j) * D + g.rank % D;
-            *reinterpret_cast<uint32_t*>(a.outScale + so + c * a.outScaleStrideBytes[2]) =
-                *reinterpret_cast<const uint32_t*>(a.xScale + t * a.xScaleStrideBytes[0] +
-                                                   static_cast<int64_t>(c) * a.xScaleStrideBytes[1]);
-          }
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < kUnroll; ++i) {
-          const uint32_t l = lineOf(g, piece, i, lane), o = lineOffset(l, lane);
-          if (i < vpl && l < g.linesPerSlot) {
-            storeStream8(a, ro, so, o, v[i][0]);
-            if (lane % 8 != 7) storeStream8(a, ro, so, o + 8, v[i][1]);
-          }
-        }
+      for (int i = 0; i < kUnroll; ++i) {
+        const uint32_t c = lineOf(piece, vpl, i, lane) * 7 + lane % 8;
+        if (i < vpl && lane % 8 != 7 && c < chunks) storeChunk(a, ro, so, c, v[i]);
       }
     }
   }
 }
 
-// Fused dispatch in line mode (roles as in fusedDispatch): the routing blocks write the entries and counts that the
-// combine reads; the payload blocks store this rank's tokens into the other ranks as lines; every block then builds
-// the line tables (once the senders' indices land, ahead of their payload) and expands: the own-token blocks this
-// rank's tokens from x, the others the peers' tokens line by line as they land. Nothing waits for a flag or fence.
+// Fused dispatch in line mode (roles as in fusedDispatch): the own-token blocks first send this rank's indices, the
+// routing blocks write the entries and counts that the combine reads, the payload blocks store this rank's tokens
+// into the other ranks as lines; every block then builds the line tables (once the senders' indices land, ahead of
+// their payload) and expands: the own-token blocks this rank's tokens from x, the others the peers' tokens line by
+// line as they land. Nothing waits for a flag or a fence.
 __device__ void fusedDispatchLines(const DispatchKernelArgs& a, int32_t* smem, uint32_t n, uint32_t round,
                                    uint32_t sendRound, uint32_t payloadBlocks) {
   const Geometry& g = a.g;
   const uint32_t B = gridDim.x, R = g.routeBlocks;
   const uint32_t firstLocal = R + payloadBlocks;
+  const uint32_t ownWarp = spreadWarp(blockIdx.x - firstLocal, B - firstLocal), ownWarps = (B - firstLocal) * kWarps;
   if (blockIdx.x < R) {
     if (!dispatchRouting(a, n, smem, blockIdx.x, sendRound)) return;
     tracePoint(a.st, kTrRouted);
@@ -873,6 +864,9 @@ __device__ void fusedDispatchLines(const DispatchKernelArgs& a, int32_t* smem, u
     dispatchLines(a, n, spreadWarp(blockIdx.x - R, payloadBlocks), payloadBlocks * kWarps,
                   allRanksMask(g) & ~(1u << g.rank), sendRound);
     tracePoint(a.st, kTrStored);
+  } else {
+    sendLineIndices(a, n, ownWarp, ownWarps, sendRound);
+    tracePoint(a.st, kTrRouted);
   }
   const LineTables lt = computeLineTables(a, smem, round);
   if (!lt.ok) return;
@@ -881,8 +875,7 @@ __device__ void fusedDispatchLines(const DispatchKernelArgs& a, int32_t* smem, u
     if (blockIdx.x == firstLocal) {
       for (uint32_t le = threadIdx.x; le < g.numLocalExperts; le += blockDim.x) a.outNumTokens[le] = lt.total[le];
     }
-    expandLines<true>(a, lt, spreadWarp(blockIdx.x - firstLocal, B - firstLocal), (B - firstLocal) * kWarps, round,
-                      false);
+    expandLines<true>(a, lt, ownWarp, ownWarps, round, false);
     tracePoint(a.st, kTrOwnDone);
     return;
   }
@@ -1196,7 +1189,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
       const uint32_t payloadBlocks = B > R ? B - R : B;
       const uint32_t blk = B > R ? blockIdx.x - R : blockIdx.x;
       if (g.lines) {
-        dispatchLines(a, n, spreadWarp(blk, payloadBlocks), payloadBlocks * kWarps, allRanksMask(g), seq + 1);
+        const uint32_t warp = spreadWarp(blk, payloadBlocks), warps = payloadBlocks * kWarps;
+        sendLineIndices(a, n, warp, warps, seq + 1);
+        dispatchLines(a, n, warp, warps, allRanksMask(g), seq + 1);
       } else {
         dispatchPayload<kAllSlots>(a, n, spreadWarp(blk, payloadBlocks), payloadBlocks * kWarps, allRanksMask(g));
       }

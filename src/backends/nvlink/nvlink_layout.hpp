@@ -77,16 +77,18 @@ struct Geometry {
   uint32_t pushQuarters;    ///< pull mode: slots j with j % 4 < pushQuarters are pushed into the receivers anyway
                             ///< (0-4; 0 in push mode)
   uint32_t lines;           ///< 1: line mode (push mode only, see makeGeometry): slots hold tagged 128-byte lines
-  uint32_t linesPerSlot;    ///< line mode: ceil((hiddenBytes + scaleBytes) / kLineData)
+  uint32_t linesPerSlot;    ///< line mode: 16-byte chunks of a token's stream / 7, rounded up
   uint64_t offFlags, offNumTokens, offCounts, offRoute, offRawIdx, offPayload, offWeights, offPartials, totalBytes;
 };
 
-/// Line mode (NCCL's LL128 pattern): a slot is a run of 128-byte lines, each 120 bytes of the token's stream (its
-/// payload bytes, then its scale words) and an 8-byte tag, the sender's round. A warp stores a line as 8 lanes x 16
-/// bytes in one instruction and a receiver reads it the same way; once the tag carries the round, the line's data is
-/// there too, with no fence and no flag between them (measured on 2x H200: `nvlink-line-probe`, docs/nvlink.md).
+/// Line mode (after NCCL's LL128): a slot is a run of 128-byte lines, each 112 bytes (seven 16-byte chunks) of the
+/// token's stream (its payload bytes, then its scale words) and 16 bytes holding the sender's round. A warp stores a
+/// line as 8 lanes x 16 bytes in one instruction and a receiver reads it the same way; once the tag carries the
+/// round, the line's data is there too, with no fence and no flag between them (measured on 2x H200:
+/// `nvlink-line-probe`, docs/nvlink.md). 112 rather than NCCL's 120 data bytes keeps every chunk 16-byte aligned in
+/// the rows, so the receivers copy with whole-vector stores.
 constexpr uint32_t kLineBytes = 128;
-constexpr uint32_t kLineData = 120;
+constexpr uint32_t kLineData = 112;
 
 EPCOMM_HD uint64_t align256(uint64_t x) { return roundUpPow2(x, 256); }
 
@@ -172,7 +174,8 @@ inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1
   const bool linesPossible = c.worldSize > 1 && g.pull == 0 && K <= 32;
   g.lines = linesPossible && (lineMode > 0 || (lineMode < 0 && W * Ts * K <= kAutoLineEntries)) ? 1 : 0;
   if (g.lines) {
-    g.linesPerSlot = static_cast<uint32_t>(ceilDiv(c.hiddenDimBytes + c.hiddenDimScaleBytes, kLineData));
+    g.linesPerSlot =
+        static_cast<uint32_t>(ceilDiv(roundUpPow2(c.hiddenDimBytes + c.hiddenDimScaleBytes, 16), kLineData));
     g.slotBytes = g.linesPerSlot * kLineBytes;
   }
   uint64_t off = 0;

@@ -34,14 +34,14 @@ TEST(NvlinkLayout, PullOnlyForLargeBatchesOnSeveralRanks) {
 }
 
 // Line mode (push mode, W > 1, K <= 32): automatic for decode-sized batches (W x Ts x K <= 8192 entries, so the
-// receivers' tables stay small), forced on or off by EPCOMM_NVLINK_LINES. Its slots are whole 128-byte lines of 120
+// receivers' tables stay small), forced on or off by EPCOMM_NVLINK_LINES. Its slots are whole 128-byte lines of 112
 // stream bytes each, its raw-index area holds W x Ts x K tagged words, and every kernel's shared memory covers the
 // tables.
 TEST(NvlinkLayout, LineModeForDecodeSizedPushes) {
   const nvlink::Geometry decode = nvlink::makeGeometry(make(128, 2, 8), 66);
   EXPECT_EQ(decode.lines, 1u);
-  EXPECT_EQ(decode.linesPerSlot, 62u);  // (7168 + 224) / 120, rounded up
-  EXPECT_EQ(decode.slotBytes, 62u * 128u);
+  EXPECT_EQ(decode.linesPerSlot, 66u);  // (7168 + 224) / 112
+  EXPECT_EQ(decode.slotBytes, 66u * 128u);
   EXPECT_GE(decode.offPayload - decode.offRawIdx, 2ull * 128 * 8 * 8);
   EXPECT_GE(nvlink::sharedBytes(decode), nvlink::lineTableBytes(decode));
   EXPECT_EQ(nvlink::makeGeometry(make(512, 2, 8), 66).lines, 1u);    // 8192 entries
