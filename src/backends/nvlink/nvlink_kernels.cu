@@ -20,10 +20,12 @@ namespace {
 using device::fenceAcqRelSys;
 using device::globalTimerNs;
 using device::laneMaskLt;
+using device::ldAcquireGpu;
 using device::ldAcquireSys;
 using device::ldGlobalNc16;
 using device::ldRelaxedSys;
 using device::ldVolatile16;
+using device::prefetchL2;
 using device::redAddRelaxedSys;
 using device::st16;
 using device::stRelaxedSys;
@@ -160,6 +162,8 @@ __device__ void signalAllRanks(char* const* peers, const Geometry& g, int which)
 // round parity. (Combine keeps static shares: with queues its prefill send took 16 us longer, docs/nvlink.md.)
 constexpr int kQueueDispatchOwn = 0;
 constexpr int kQueueDispatchPeers = 1;
+// Line mode: not a work queue but the round's gate, counting the warps that stored their indices (openGate).
+constexpr int kQueueLineIndices = 2;
 
 __device__ __forceinline__ uint32_t* queueOf(const DeviceState& st, int queue, uint32_t round) {
   return st.queues + queue * 2 + (round & 1);
@@ -172,6 +176,7 @@ __device__ __forceinline__ void clearNextQueues(const DeviceState& st, uint32_t 
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     *queueOf(st, kQueueDispatchOwn, round + 1) = 0;
     *queueOf(st, kQueueDispatchPeers, round + 1) = 0;
+    *queueOf(st, kQueueLineIndices, round + 1) = 0;
   }
 }
 
@@ -239,8 +244,10 @@ __device__ void expertRowBases(const int32_t* total, int32_t* rowBase, uint32_t 
 // Block-wide. The counts and token counts are tagged words (tagWord) of the senders' dispatch `round`: every
 // thread polls its share, so the tables are ready as soon as the words land (no route flag, no fence behind the
 // payload). Afterwards (combine) they are already there and the polls return at once.
+// `routeFlag` > 0 (combine after a line-mode dispatch): first wait until every rank's dispatch flag reaches it, the
+// senders' routing blocks having signalled after their entries (those are read untagged afterwards).
 __device__ RowTables computeRows(char* local, const Geometry& g, int32_t* smem, bool packed, uint32_t padding,
-                                 uint32_t round, const DeviceState& st) {
+                                 uint32_t round, const DeviceState& st, uint64_t routeFlag = 0) {
   const uint32_t W = g.worldSize, L = g.numLocalExperts;
   RowTables rt{smem, smem + W * L, smem + (W + 1) * L, smem + (W + 2) * L, true};
   const uint64_t* counts = reinterpret_cast<const uint64_t*>(local + g.offCounts);
@@ -249,9 +256,15 @@ __device__ RowTables computeRows(char* local, const Geometry& g, int32_t* smem, 
   bool ok = true;
   if (threadIdx.x < W) {
     uint32_t n = 0;
-    ok = waitTagged(numTokens + threadIdx.x, round, st, kPhaseDispatchRecv, rank, static_cast<int32_t>(threadIdx.x), n);
+    if (routeFlag > 0) {
+      ok = waitFlag(flagPtr(local, g, kFlagDispatch, threadIdx.x), routeFlag, st, kPhaseDispatchRecv, rank,
+                    static_cast<int32_t>(threadIdx.x), patienceFor(g, threadIdx.x));
+    }
+    ok = ok && waitTagged(numTokens + threadIdx.x, round, st, kPhaseDispatchRecv, rank,
+                          static_cast<int32_t>(threadIdx.x), n);
     rt.tokens[threadIdx.x] = static_cast<int32_t>(n);
   }
+  if (routeFlag > 0) __syncthreads();  // the acquire above before anyone reads entries
   for (uint32_t le = threadIdx.x; le < L; le += blockDim.x) {
     int32_t acc = 0;
     for (uint32_t s = 0; s < W && ok; ++s) {
@@ -420,10 +433,12 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
 // 16-byte vectors per lane in one work unit of dispatchPayload and expandTokens: kUnroll (4 KiB per warp), or half of
 // that when a full batch at kUnroll has fewer units than the kernel has warps (decode: 7 KB tokens were 2 units, so
 // 128 tokens kept only half the own-token blocks' warps busy, each storing ~4 rows of 4 KiB).
-// Line mode: a warp instruction moves 4 lines, so a unit is 4 x unitVectors(g) lines.
+// Line mode: always kLineUnroll (a warp instruction moves 4 lines, so a unit is 16 lines; fewer registers than 8
+// vectors per lane, which the fused kernel, at its register limit, cannot spare).
+constexpr int kLineUnroll = kUnroll / 2;
 __device__ __forceinline__ uint32_t unitVectors(const Geometry& g) {
-  const uint64_t full = g.lines ? ceilDiv(g.linesPerSlot, 4 * kUnroll)
-                                : ceilDiv(g.hiddenBytes / 16 == 0 ? 1 : g.hiddenBytes / 16, 32 * kUnroll);
+  if (g.lines) return kLineUnroll;
+  const uint64_t full = ceilDiv(g.hiddenBytes / 16 == 0 ? 1 : g.hiddenBytes / 16, 32 * kUnroll);
   return static_cast<uint64_t>(g.slotsPerSender) * g.worldSize * full <= static_cast<uint64_t>(g.blocks) * kWarps
              ? kUnroll / 2
              : kUnroll;
@@ -586,9 +601,41 @@ __device__ __forceinline__ bool tagIs(int4 v, uint32_t round) {
   return static_cast<uint32_t>(v.z) == round && v.w == 0;
 }
 
+// Line mode: the round's gate (kQueueLineIndices). Each warp that sends indices counts itself once it issued them;
+// the payload warps store nothing before every such warp did, so the indices cross the links ahead of the payload
+// instead of among it (measured on 2x H200: without the gate the last indices landed with the payload, ~5 us later).
+// A heuristic ordering only (stores issued, not landed): correctness rests on the tags.
+__device__ __forceinline__ void openGate(const DeviceState& st, uint32_t round) {
+  __syncwarp();
+  if (threadIdx.x % 32 == 0) atomicAdd(queueOf(st, kQueueLineIndices, round), 1u);
+}
+
+// Waits until `senders` warps opened the gate of `round`. False (in every lane) on a timeout (recorded) or another
+// wait's failure.
+__device__ bool waitGate(const DispatchKernelArgs& a, uint32_t round, uint32_t senders) {
+  bool ok = true;
+  if (threadIdx.x % 32 == 0) {
+    const int32_t* gate = reinterpret_cast<const int32_t*>(queueOf(a.st, kQueueLineIndices, round));
+    if (static_cast<uint32_t>(ldAcquireGpu(gate)) < senders) {
+      const uint64_t start = globalTimerNs();
+      for (uint32_t i = 1; static_cast<uint32_t>(ldAcquireGpu(gate)) < senders; ++i) {
+        if ((i & 255) == 0 && (aborted(a.st) || globalTimerNs() - start > 2 * a.st.timeoutNs)) {
+          if (!aborted(a.st)) {
+            recordError(a.st, kPhaseRouteSync, static_cast<int32_t>(a.g.rank), static_cast<int32_t>(a.g.rank),
+                        ldAcquireGpu(gate), senders);
+          }
+          ok = false;
+          break;
+        }
+      }
+    }
+  }
+  return __shfl_sync(0xffffffffu, ok ? 1 : 0, 0) != 0;
+}
+
 // Line mode: this rank's token count and every token's K expert indices, as tagged words of `round`, into every rank
-// (its own too). The fused kernel's own-token blocks call it first thing, before the payload blocks' first store, so
-// the indices do not queue behind the payload on the links; the split send half calls it before the payload.
+// (its own too), then the warp opens the gate. The fused kernel's own-token blocks call it first thing; the split
+// send half's payload warps before their payload.
 __device__ void sendLineIndices(const DispatchKernelArgs& a, uint32_t n, uint32_t warpId, uint32_t numWarps,
                                 uint32_t round) {
   const Geometry& g = a.g;
@@ -604,25 +651,38 @@ __device__ void sendLineIndices(const DispatchKernelArgs& a, uint32_t n, uint32_
     const uint64_t off = g.offRawIdx + ((static_cast<uint64_t>(g.rank) * Ts + j) * K + k) * sizeof(uint64_t);
     for (uint32_t d = 0; d < W; ++d) stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[d] + off), word);
   }
+  openGate(a.st, round);
 }
 
 // Send half, line mode: per work unit (token, piece) the unit's lines into every rank in `destMask` that has one of
-// the token's experts. The indices travel separately (sendLineIndices).
+// the token's experts. The indices travel separately (sendLineIndices): the warp waits for the gate (`gateWarps` index
+// senders) before its first unit, whose payload it meanwhile asks L2 for.
 __device__ void dispatchLines(const DispatchKernelArgs& a, uint32_t n, uint32_t warpId, uint32_t numWarps,
-                              uint32_t destMask, uint32_t round) {
+                              uint32_t destMask, uint32_t round, uint32_t gateWarps) {
   const Geometry& g = a.g;
   const uint32_t lane = threadIdx.x % 32, K = g.topK, L = g.numLocalExperts, D = g.dpSize, Ts = g.slotsPerSender;
-  const uint32_t pieces = linePieces(g), vpl = unitVectors(g), chunks = streamChunks(g);
+  const uint32_t pieces = linePieces(g), vpl = kLineUnroll, chunks = streamChunks(g);
+  if (warpId >= n * pieces) return;
+  {
+    // While the gate is shut: the first unit's payload into L2 (a hint; no registers held across the wait).
+    const uint32_t j = warpId / pieces, piece = warpId % pieces, h = g.hiddenBytes / 16;
+    const uint32_t c0 = min(piece * vpl * 28, h), c1 = min((piece + 1) * vpl * 28, h);
+    if (lane == 0 && c1 > c0) {
+      prefetchL2(a.x + static_cast<int64_t>(j * D + g.rank % D) * a.xRowStrideBytes + static_cast<uint64_t>(c0) * 16,
+                 (c1 - c0) * 16);
+    }
+    if (!waitGate(a, round, gateWarps)) return;
+  }
   for (uint32_t wu = warpId; wu < n * pieces; wu += numWarps) {
     const uint32_t j = wu / pieces, piece = wu % pieces;
     const uint32_t t = j * D + g.rank % D;
     int64_t e0 = -1;
     if (lane < K) e0 = loadIndex(a.indices, a.indexKind, a.indexStrides, t, lane);
-    int4 v[kUnroll];
+    int4 v[kLineUnroll];
 #pragma unroll
-    for (int i = 0; i < kUnroll; ++i) {
+    for (int i = 0; i < kLineUnroll; ++i) {
       const uint32_t l = lineOf(piece, vpl, i, lane), c = l * 7 + lane % 8;
-      if (i < vpl && l < g.linesPerSlot) {
+      if (l < g.linesPerSlot) {
         v[i] = lane % 8 == 7 ? lineTag(round) : c < chunks ? loadChunk(a, t, c) : make_int4(0, 0, 0, 0);
       }
     }
@@ -633,9 +693,9 @@ __device__ void dispatchLines(const DispatchKernelArgs& a, uint32_t n, uint32_t 
     for (uint32_t m = ranks; m != 0; m &= m - 1) {
       char* dst = a.peers[__ffs(m) - 1] + slotOff;
 #pragma unroll
-      for (int i = 0; i < kUnroll; ++i) {
+      for (int i = 0; i < kLineUnroll; ++i) {
         const uint32_t l = lineOf(piece, vpl, i, lane);
-        if (i < vpl && l < g.linesPerSlot) stLine16(dst + l * kLineBytes + (lane % 8) * 16, v[i]);
+        if (l < g.linesPerSlot) stLine16(dst + l * kLineBytes + (lane % 8) * 16, v[i]);
       }
     }
   }
@@ -643,15 +703,23 @@ __device__ void dispatchLines(const DispatchKernelArgs& a, uint32_t n, uint32_t 
 
 // Line mode: the receiver's view of one round (smem, lineTableBytes): tokens of every sender in (sender, token)
 // order numbered from 0 (sender s's first is first[s]); for routing entry k of token number u, entLe[u K + k] is
-// the local expert (-1: none here, or a repeat of an earlier k of the token) and entRow[u K + k] its row.
+// the local expert (-1: none here, or a repeat of an earlier k of the token); its row is rowOf().
 struct LineTables {
   int32_t* first;    // [W + 1]
   int32_t* total;    // [L] rows of each local expert
   int32_t* rowBase;  // [L]
+  uint32_t* bits;    // [ceil(W Ts / 32)][L]: bit u % 32 of [u / 32][le] set when token u has a row of expert le
+  int32_t* before;   // [ceil(W Ts / 32)][L]: rows of expert le taken by tokens before u / 32 * 32
   int32_t* entLe;    // [W Ts K]
-  int32_t* entRow;   // [W Ts K]
+  uint32_t L;
   bool ok;           // false: a sender's indices never arrived (recorded); nothing else is valid
 };
+
+// Row (within expert le's rows) of token number u.
+__device__ __forceinline__ int32_t rowOf(const LineTables& lt, uint32_t u, uint32_t le) {
+  const uint32_t w = (u / 32) * lt.L + le;
+  return lt.rowBase[le] + lt.before[w] + __popc(lt.bits[w] & ((1u << (u % 32)) - 1));
+}
 
 // Sender of token number u (first[s] <= u < first[s + 1]).
 __device__ __forceinline__ uint32_t senderOf(const LineTables& lt, uint32_t u) {
@@ -671,10 +739,12 @@ __device__ LineTables computeLineTables(const DispatchKernelArgs& a, int32_t* sm
   lt.first = smem;
   lt.total = lt.first + W + 1;
   lt.rowBase = lt.total + L;
-  uint32_t* bits = reinterpret_cast<uint32_t*>(lt.rowBase + L);  // [ceil(W Ts / 32)][L]
-  int32_t* before = reinterpret_cast<int32_t*>(bits + words);   // [ceil(W Ts / 32)][L]
-  lt.entLe = before + words;
-  lt.entRow = lt.entLe + W * Ts * K;
+  lt.bits = reinterpret_cast<uint32_t*>(lt.rowBase + L);
+  lt.before = reinterpret_cast<int32_t*>(lt.bits + words);
+  lt.entLe = lt.before + words;
+  lt.L = L;
+  uint32_t* bits = lt.bits;
+  int32_t* before = lt.before;
   const char* local = a.peers[g.rank];
   const uint64_t* numTokens = reinterpret_cast<const uint64_t*>(local + g.offNumTokens);
   const uint64_t* raw = reinterpret_cast<const uint64_t*>(local + g.offRawIdx);
@@ -741,13 +811,6 @@ __device__ LineTables computeLineTables(const DispatchKernelArgs& a, int32_t* sm
   __syncthreads();
   expertRowBases(lt.total, lt.rowBase, L, a.packed != 0, a.padding);
   __syncthreads();
-  for (uint32_t i = threadIdx.x; i < entries; i += blockDim.x) {
-    const int32_t le = lt.entLe[i];
-    if (le < 0) continue;
-    const uint32_t u = i / K, w = (u / 32) * L + static_cast<uint32_t>(le);
-    lt.entRow[i] = lt.rowBase[le] + before[w] + __popc(bits[w] & ((1u << (u % 32)) - 1));
-  }
-  __syncthreads();
   lt.ok = true;
   return lt;
 }
@@ -789,7 +852,7 @@ __device__ void expandLines(const DispatchKernelArgs& a, const LineTables& lt, u
                             uint32_t round, bool skipOwn) {
   const Geometry& g = a.g;
   const uint32_t lane = threadIdx.x % 32, K = g.topK, W = g.worldSize, D = g.dpSize, Ts = g.slotsPerSender;
-  const uint32_t pieces = linePieces(g), vpl = unitVectors(g), chunks = streamChunks(g);
+  const uint32_t pieces = linePieces(g), vpl = kLineUnroll, chunks = streamChunks(g);
   const uint32_t ownFirst = static_cast<uint32_t>(lt.first[g.rank]);
   const uint32_t ownN = static_cast<uint32_t>(lt.first[g.rank + 1]) - ownFirst;
   const uint32_t items = kOwn ? ownN : static_cast<uint32_t>(lt.first[W]) - (skipOwn ? ownN : 0);
@@ -803,34 +866,34 @@ __device__ void expandLines(const DispatchKernelArgs& a, const LineTables& lt, u
     if (lane < K) {
       const int32_t le = lt.entLe[u * K + lane];
       if (le >= 0) {
-        const int64_t idx = lt.entRow[u * K + lane];
+        const int64_t idx = rowOf(lt, u, static_cast<uint32_t>(le));
         rowOff = le * a.outExpertStrideBytes + idx * a.outRowStrideBytes;
         scaleOff = le * a.outScaleStrideBytes[0] + idx * a.outScaleStrideBytes[1];
       }
     }
     const uint32_t rows = __ballot_sync(0xffffffffu, rowOff >= 0);
     if (rows == 0) continue;
-    int4 v[kUnroll];
+    int4 v[kLineUnroll];
     if constexpr (kOwn) {
       const uint32_t t = j * D + g.rank % D;
 #pragma unroll
-      for (int i = 0; i < kUnroll; ++i) {
+      for (int i = 0; i < kLineUnroll; ++i) {
         const uint32_t c = lineOf(piece, vpl, i, lane) * 7 + lane % 8;
-        if (i < vpl && lane % 8 != 7 && c < chunks) v[i] = loadChunk(a, t, c);
+        if (lane % 8 != 7 && c < chunks) v[i] = loadChunk(a, t, c);
       }
     } else {
       const char* slot = local + g.offPayload + (static_cast<uint64_t>(s) * Ts + j) * g.slotBytes;
 #pragma unroll
-      for (int i = 0; i < kUnroll; ++i) {
+      for (int i = 0; i < kLineUnroll; ++i) {
         const uint32_t l = lineOf(piece, vpl, i, lane);
         v[i] = make_int4(0, 0, 0, 0);
-        if (i < vpl && l < g.linesPerSlot) v[i] = ldVolatile16(slot + l * kLineBytes + (lane % 8) * 16);
+        if (l < g.linesPerSlot) v[i] = ldVolatile16(slot + l * kLineBytes + (lane % 8) * 16);
       }
       bool ok = true;
 #pragma unroll
-      for (int i = 0; i < kUnroll; ++i) {
+      for (int i = 0; i < kLineUnroll; ++i) {
         const uint32_t l = lineOf(piece, vpl, i, lane);
-        if (i < vpl && ok) ok = pollLines(a, slot, l, l < g.linesPerSlot, round, s, v[i]);
+        if (ok) ok = pollLines(a, slot, l, l < g.linesPerSlot, round, s, v[i]);
       }
       if (!ok) return;
     }
@@ -838,9 +901,9 @@ __device__ void expandLines(const DispatchKernelArgs& a, const LineTables& lt, u
       const int b = __ffs(m) - 1;
       const int64_t ro = __shfl_sync(0xffffffffu, rowOff, b), so = __shfl_sync(0xffffffffu, scaleOff, b);
 #pragma unroll
-      for (int i = 0; i < kUnroll; ++i) {
+      for (int i = 0; i < kLineUnroll; ++i) {
         const uint32_t c = lineOf(piece, vpl, i, lane) * 7 + lane % 8;
-        if (i < vpl && lane % 8 != 7 && c < chunks) storeChunk(a, ro, so, c, v[i]);
+        if (lane % 8 != 7 && c < chunks) storeChunk(a, ro, so, c, v[i]);
       }
     }
   }
@@ -860,9 +923,10 @@ __device__ void fusedDispatchLines(const DispatchKernelArgs& a, int32_t* smem, u
   if (blockIdx.x < R) {
     if (!dispatchRouting(a, n, smem, blockIdx.x, sendRound)) return;
     tracePoint(a.st, kTrRouted);
+    signalAllRanks(a.peers, g, kFlagDispatch);  // for the combine, which reads the entries untagged
   } else if (blockIdx.x < firstLocal) {
     dispatchLines(a, n, spreadWarp(blockIdx.x - R, payloadBlocks), payloadBlocks * kWarps,
-                  allRanksMask(g) & ~(1u << g.rank), sendRound);
+                  allRanksMask(g) & ~(1u << g.rank), sendRound, ownWarps);
     tracePoint(a.st, kTrStored);
   } else {
     sendLineIndices(a, n, ownWarp, ownWarps, sendRound);
@@ -1191,15 +1255,16 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
       if (g.lines) {
         const uint32_t warp = spreadWarp(blk, payloadBlocks), warps = payloadBlocks * kWarps;
         sendLineIndices(a, n, warp, warps, seq + 1);
-        dispatchLines(a, n, warp, warps, allRanksMask(g), seq + 1);
+        dispatchLines(a, n, warp, warps, allRanksMask(g), seq + 1, warps);
       } else {
         dispatchPayload<kAllSlots>(a, n, spreadWarp(blk, payloadBlocks), payloadBlocks * kWarps, allRanksMask(g));
       }
       tracePoint(a.st, kTrStored);
     }
     // Routing blocks too: their entries and counts are tagged words, but the receivers' dispatch flag counts B.
-    // Line mode: everything the receivers poll is tagged; no flag.
-    if (!g.lines) {
+    // Line mode: only the R routing blocks signal (for the combine, which reads their entries untagged); what the
+    // dispatch receivers poll is tagged.
+    if (!g.lines || router) {
       signalAllRanks(a.peers, g, kFlagDispatch);
       tracePoint(a.st, kTrSignalled);
     }
@@ -1560,7 +1625,8 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(const CombineKernel
       tracePoint(a.st, kTrRouted);
     }
     // The dispatch round of these tables is this combine's round (dispatch and combine alternate).
-    const RowTables rt = computeRows(a.peers[g.rank], g, smem, a.packed != 0, a.padding, seq, a.st);
+    const RowTables rt = computeRows(a.peers[g.rank], g, smem, a.packed != 0, a.padding, seq, a.st,
+                                     g.lines ? static_cast<uint64_t>(seq) * g.routeBlocks : 0);
     if (!rt.ok) return;
     tracePoint(a.st, kTrRows);
     // With D == 1 this rank's own tokens have their partials here, on this rank, read only by its own combine-recv

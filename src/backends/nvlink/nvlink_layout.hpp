@@ -200,10 +200,10 @@ inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1
 }
 
 /// Device memory beside the peer-mapped region (not shared): the per-block round counters u32 [4][B] followed by
-/// 256 bytes whose first word is the error claim and whose bytes [kQueueOffset, kQueueOffset + 32) are the work
-/// queues u32 [kQueues][2], and the routing blocks' arrival counter (256 bytes) followed by their histograms
+/// 256 bytes whose first word is the error claim and whose bytes [kQueueOffset, kQueueOffset + 8 kQueues) are the
+/// work queues u32 [kQueues][2], and the routing blocks' arrival counter (256 bytes) followed by their histograms
 /// i32 [R][E].
-constexpr uint32_t kQueues = 2;
+constexpr uint32_t kQueues = 3;
 constexpr uint32_t kQueueOffset = 64;
 static_assert(kQueueOffset + kQueues * 2 * sizeof(uint32_t) <= 256, "work queues must fit the counters' tail");
 inline uint64_t roundCounterBytes(const Geometry& g) { return 4ull * g.blocks * sizeof(uint32_t) + 256; }
@@ -215,10 +215,10 @@ inline uint64_t routeScratchBytes(const Geometry& g) {
 /// running counts) or the receiver's row bases, whichever is larger.
 /// Line mode: the receivers' tables (computeLineTables), i32 words: first token of each sender [W + 1], expert totals
 /// and first rows [2][L], per 32 tokens and expert the tokens' bits and the rows before them [2][ceil(W Ts / 32)][L],
-/// per routing entry its local expert and row [2][W Ts K].
+/// per routing entry its local expert [W Ts K].
 inline uint64_t lineTableBytes(const Geometry& g) {
   const uint64_t W = g.worldSize, L = g.numLocalExperts, Ts = g.slotsPerSender;
-  return (W + 1 + 2 * L + 2 * ceilDiv(W * Ts, 32) * L + 2 * W * Ts * g.topK) * 4;
+  return (W + 1 + 2 * L + 2 * ceilDiv(W * Ts, 32) * L + W * Ts * g.topK) * 4;
 }
 
 inline uint32_t sharedBytes(const Geometry& g) {
