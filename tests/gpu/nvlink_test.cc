@@ -238,8 +238,8 @@ TEST(NvlinkGpu, W2DpGroupD2) {
   runAll(2, {s, p});
 }
 
-TEST(NvlinkGpu, W2DecodeShape) {
-  REQUIRE_GPUS(2);
+// SPEC's decode shape on two ranks: 256 experts, top-8, 128 tokens of 7168 fp8 bytes and 56 fp32 scales.
+Scenario decodeShape() {
   Scenario s = base(2);
   s.experts = 256;
   s.topK = 8;
@@ -247,8 +247,14 @@ TEST(NvlinkGpu, W2DecodeShape) {
   s.maxTokens = 128;
   s.xType = DType::kFp8E4M3;
   s.scales = true;
-  s.ragged = false;
   s.rounds = 2;
+  return s;
+}
+
+TEST(NvlinkGpu, W2DecodeShape) {
+  REQUIRE_GPUS(2);
+  Scenario s = decodeShape();
+  s.ragged = false;
   runAll(2, {s});
 }
 
@@ -313,19 +319,13 @@ class ScopedEnv {
   std::vector<std::pair<const char*, std::unique_ptr<std::string>>> saved_;
 };
 
-// Push mode without line mode (EPCOMM_NVLINK_LINES=0; the W2 tests above use lines, automatic at their sizes): plain
-// slots behind the dispatch flag. Decode shape, split + accumulate, packed + padding with D = 2, mixed fused/split.
+// Push mode without line mode (EPCOMM_NVLINK_LINES=0; the small W2 tests above use lines, automatic at their sizes):
+// plain slots behind the dispatch flag. Decode shape, split + accumulate, packed + padding with D = 2, mixed
+// fused/split.
 TEST(NvlinkGpu, W2PlainSlotsWithoutLines) {
   REQUIRE_GPUS(2);
   ScopedEnv env({{"EPCOMM_NVLINK_LINES", "0"}});
-  Scenario decode = base(2);
-  decode.experts = 256;
-  decode.topK = 8;
-  decode.hidden = 7168;
-  decode.maxTokens = 128;
-  decode.xType = DType::kFp8E4M3;
-  decode.scales = true;
-  decode.rounds = 2;
+  Scenario decode = decodeShape();
   Scenario split = base(2);
   split.split = true;
   split.accumulate = true;
@@ -343,12 +343,17 @@ TEST(NvlinkGpu, W2PlainSlotsWithoutLines) {
   runAll(2, {decode, split, packed, mixed});
 }
 
-// Line mode forced on beyond its automatic bound (1300 tokens per sender, push mode forced): receivers' tables over
-// 15600 routing entries (~135 KB of shared memory), several routing blocks, fused and split, both layouts.
+// Line mode forced on beyond its automatic bound: the decode shape (fp8 + scales in the lines, 128 tokens of 66 lines),
+// and 1300 tokens per sender with push mode forced: receivers' tables over 15600 routing entries (~135 KB of shared
+// memory), several routing blocks, fused and split, both layouts.
 TEST(NvlinkGpu, W2LinesForLargeBatches) {
   REQUIRE_GPUS(2);
   ScopedEnv env({{"EPCOMM_NVLINK_LINES", "1"}, {"EPCOMM_NVLINK_PULL", "0"}});
-  runAll(2, routingChunks(2));
+  std::vector<Scenario> list = routingChunks(2);
+  Scenario decode = decodeShape();
+  decode.masked = true;
+  list.push_back(decode);
+  runAll(2, list);
 }
 
 // Every payload dtype with every (expertY, outTokens) pair, on one and on two GPUs.

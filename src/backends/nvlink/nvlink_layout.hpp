@@ -140,9 +140,11 @@ EPCOMM_HD uint64_t routeIndex(uint32_t K, uint32_t Ts, uint32_t s, uint32_t j, u
 /// `pushQuarters` (pull mode): quarters of every sender's slots pushed all the same, -1 automatic (1): they cross
 /// NVLink while the rest is staged locally, which the link would otherwise wait for. Values above 4 clamp to 4 here;
 /// EPCOMM_NVLINK_PUSH_QUARTERS outside [-1, 4] is already an error when the environment is read.
-/// `lineMode` (push mode with W > 1 and K <= 32 only): 1 on, 0 off, -1 automatic: on while the receivers' tables
-/// (lineTableBytes) stay small, W x Ts x K <= kAutoLineEntries (decode sizes).
-constexpr uint64_t kAutoLineEntries = 8192;
+/// `lineMode` (push mode with W > 1 and K <= 32 only): 1 on, 0 off, -1 automatic: on for W x Ts x K <=
+/// kAutoLineEntries routing entries. Measured on 2x H200 (decode, session 11): lines save 2.5 us at T = 1 and 0.9 us
+/// at T = 32, but cost 2.7 us at T = 128 and 5.5 us at T = 512, where every receiving block's ranking of all W x Ts x K
+/// entries and the line copies take longer than the flag and fence they replace (docs/nvlink.md, eleventh pass).
+constexpr uint64_t kAutoLineEntries = 512;
 inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1, int pushQuarters = -1,
                              int lineMode = -1) {
   Geometry g{};

@@ -33,25 +33,26 @@ TEST(NvlinkLayout, PullOnlyForLargeBatchesOnSeveralRanks) {
   EXPECT_EQ(nvlink::makeGeometry(make(128, 1, 8), 66, 1).pull, 0u);
 }
 
-// Line mode (push mode, W > 1, K <= 32): automatic for decode-sized batches (W x Ts x K <= 8192 entries, so the
-// receivers' tables stay small), forced on or off by EPCOMM_NVLINK_LINES. Its slots are whole 128-byte lines of 112
-// stream bytes each, its raw-index area holds W x Ts x K tagged words, and every kernel's shared memory covers the
-// tables.
-TEST(NvlinkLayout, LineModeForDecodeSizedPushes) {
-  const nvlink::Geometry decode = nvlink::makeGeometry(make(128, 2, 8), 66);
-  EXPECT_EQ(decode.lines, 1u);
-  EXPECT_EQ(decode.linesPerSlot, 66u);  // (7168 + 224) / 112
-  EXPECT_EQ(decode.slotBytes, 66u * 128u);
-  EXPECT_GE(decode.offPayload - decode.offRawIdx, 2ull * 128 * 8 * 8);
-  EXPECT_GE(nvlink::sharedBytes(decode), nvlink::lineTableBytes(decode));
-  EXPECT_EQ(nvlink::makeGeometry(make(512, 2, 8), 66).lines, 1u);    // 8192 entries
-  EXPECT_EQ(nvlink::makeGeometry(make(1024, 2, 8), 66).lines, 0u);   // above the automatic bound
-  EXPECT_EQ(nvlink::makeGeometry(make(1024, 2, 8), 66, 0, -1, 1).lines, 1u);  // forced (push mode)
-  EXPECT_EQ(nvlink::makeGeometry(make(4096, 2, 8), 132).lines, 0u);  // pull mode
-  EXPECT_EQ(nvlink::makeGeometry(make(4096, 2, 8), 132, -1, -1, 1).lines, 0u);
-  EXPECT_EQ(nvlink::makeGeometry(make(128, 1, 8), 66).lines, 0u);    // one rank
-  EXPECT_EQ(nvlink::makeGeometry(make(128, 2, 33), 66).lines, 0u);   // K > 32
-  const nvlink::Geometry off = nvlink::makeGeometry(make(128, 2, 8), 66, -1, -1, 0);
+// Line mode (push mode, W > 1, K <= 32): automatic for small batches (W x Ts x K <= 512 routing entries; decode
+// T = 32 on two ranks), forced on or off by EPCOMM_NVLINK_LINES. Its slots are whole 128-byte lines of 112 stream
+// bytes each, its raw-index area holds W x Ts x K tagged words, and every kernel's shared memory covers the tables.
+TEST(NvlinkLayout, LineModeForSmallPushes) {
+  const nvlink::Geometry small = nvlink::makeGeometry(make(32, 2, 8), 66);
+  EXPECT_EQ(small.lines, 1u);
+  EXPECT_EQ(small.linesPerSlot, 66u);  // (7168 + 224) / 112
+  EXPECT_EQ(small.slotBytes, 66u * 128u);
+  EXPECT_GE(small.offPayload - small.offRawIdx, 2ull * 32 * 8 * 8);
+  EXPECT_GE(nvlink::sharedBytes(small), nvlink::lineTableBytes(small));
+  EXPECT_EQ(nvlink::makeGeometry(make(1, 2, 8), 66).lines, 1u);
+  EXPECT_EQ(nvlink::makeGeometry(make(33, 2, 8), 66).lines, 0u);   // 528 entries: above the automatic bound
+  EXPECT_EQ(nvlink::makeGeometry(make(128, 2, 8), 66).lines, 0u);  // decode T = 128: plain slots measured faster
+  const nvlink::Geometry forced = nvlink::makeGeometry(make(1024, 2, 8), 66, 0, -1, 1);  // forced (push mode)
+  EXPECT_EQ(forced.lines, 1u);
+  EXPECT_GE(nvlink::sharedBytes(forced), nvlink::lineTableBytes(forced));
+  EXPECT_EQ(nvlink::makeGeometry(make(4096, 2, 8), 132, -1, -1, 1).lines, 0u);  // pull mode
+  EXPECT_EQ(nvlink::makeGeometry(make(32, 1, 8), 66, -1, -1, 1).lines, 0u);     // one rank
+  EXPECT_EQ(nvlink::makeGeometry(make(32, 2, 33), 66, -1, -1, 1).lines, 0u);    // K > 32
+  const nvlink::Geometry off = nvlink::makeGeometry(make(32, 2, 8), 66, -1, -1, 0);
   EXPECT_EQ(off.lines, 0u);
   EXPECT_EQ(off.slotBytes, 7168u + 224u);
   EXPECT_EQ(off.offPayload, off.offRawIdx);  // no raw-index area
