@@ -256,15 +256,15 @@ __device__ RowTables computeRows(char* local, const Geometry& g, int32_t* smem, 
   bool ok = true;
   if (threadIdx.x < W) {
     uint32_t n = 0;
-    if (routeFlag > 0) {
-      ok = waitFlag(flagPtr(local, g, kFlagDispatch, threadIdx.x), routeFlag, st, kPhaseDispatchRecv, rank,
-                    static_cast<int32_t>(threadIdx.x), patienceFor(g, threadIdx.x));
-    }
-    ok = ok && waitTagged(numTokens + threadIdx.x, round, st, kPhaseDispatchRecv, rank,
-                          static_cast<int32_t>(threadIdx.x), n);
+    ok = waitTagged(numTokens + threadIdx.x, round, st, kPhaseDispatchRecv, rank, static_cast<int32_t>(threadIdx.x), n);
     rt.tokens[threadIdx.x] = static_cast<int32_t>(n);
   }
-  if (routeFlag > 0) __syncthreads();  // the acquire above before anyone reads entries
+  // Another warp, so the two polls overlap; the barrier below orders the acquire before every entry read.
+  if (routeFlag > 0 && threadIdx.x >= 32 && threadIdx.x < 32 + W) {
+    const uint32_t s = threadIdx.x - 32;
+    ok = waitFlag(flagPtr(local, g, kFlagDispatch, s), routeFlag, st, kPhaseDispatchRecv, rank,
+                  static_cast<int32_t>(s), patienceFor(g, s));
+  }
   for (uint32_t le = threadIdx.x; le < L; le += blockDim.x) {
     int32_t acc = 0;
     for (uint32_t s = 0; s < W && ok; ++s) {
@@ -909,25 +909,37 @@ __device__ void expandLines(const DispatchKernelArgs& a, const LineTables& lt, u
   }
 }
 
-// Fused dispatch in line mode (roles as in fusedDispatch): the own-token blocks first send this rank's indices, the
-// routing blocks write the entries and counts that the combine reads, the payload blocks store this rank's tokens
-// into the other ranks as lines; every block then builds the line tables (once the senders' indices land, ahead of
-// their payload) and expands: the own-token blocks this rank's tokens from x, the others the peers' tokens line by
-// line as they land. Nothing waits for a flag or a fence.
+// Fused dispatch in line mode. Roles (R = g.routeBlocks): blocks [0, R) route (the entries and counts that the
+// combine reads), blocks [R, R + P) store this rank's tokens into the other ranks as lines, blocks [R + P, B) (the
+// expanders) first send this rank's indices, then build the line tables (once the senders' indices land, ahead of
+// their payload) and expand. Nothing waits for a flag or a fence.
+//   Small batches (every sender's units fit the expanders' warps, one each, with P just enough blocks for one unit
+//   per warp of this rank's tokens): the expanders expand every token, this rank's from x and the peers' line by
+//   line as they land; the routing and payload blocks end after their stores. Building the tables right after
+//   the payload stores was their slowest step (trace, decode T = 32: tables at 8.2 us against 5.6 on the
+//   expanders: loads queue behind a block's own NVLink stores).
+//   Otherwise P = `payloadBlocks` (as in fusedDispatch) and those blocks also expand the peers' tokens.
 __device__ void fusedDispatchLines(const DispatchKernelArgs& a, int32_t* smem, uint32_t n, uint32_t round,
                                    uint32_t sendRound, uint32_t payloadBlocks) {
   const Geometry& g = a.g;
   const uint32_t B = gridDim.x, R = g.routeBlocks;
-  const uint32_t firstLocal = R + payloadBlocks;
+  const uint32_t pieces = linePieces(g);
+  const uint32_t leanPayload = min(B - R - 1, max(1u, static_cast<uint32_t>(ceilDiv(g.slotsPerSender * pieces, kWarps))));
+  const bool lean = static_cast<uint64_t>(g.worldSize) * g.slotsPerSender * pieces <=
+                    static_cast<uint64_t>(B - R - leanPayload) * kWarps;
+  const uint32_t P = lean ? leanPayload : payloadBlocks;
+  const uint32_t firstLocal = R + P;
   const uint32_t ownWarp = spreadWarp(blockIdx.x - firstLocal, B - firstLocal), ownWarps = (B - firstLocal) * kWarps;
   if (blockIdx.x < R) {
     if (!dispatchRouting(a, n, smem, blockIdx.x, sendRound)) return;
     tracePoint(a.st, kTrRouted);
     signalAllRanks(a.peers, g, kFlagDispatch);  // for the combine, which reads the entries untagged
+    if (lean) return;
   } else if (blockIdx.x < firstLocal) {
-    dispatchLines(a, n, spreadWarp(blockIdx.x - R, payloadBlocks), payloadBlocks * kWarps,
-                  allRanksMask(g) & ~(1u << g.rank), sendRound, ownWarps);
+    dispatchLines(a, n, spreadWarp(blockIdx.x - R, P), P * kWarps, allRanksMask(g) & ~(1u << g.rank), sendRound,
+                  ownWarps);
     tracePoint(a.st, kTrStored);
+    if (lean) return;
   } else {
     sendLineIndices(a, n, ownWarp, ownWarps, sendRound);
     tracePoint(a.st, kTrRouted);
@@ -941,6 +953,10 @@ __device__ void fusedDispatchLines(const DispatchKernelArgs& a, int32_t* smem, u
     }
     expandLines<true>(a, lt, ownWarp, ownWarps, round, false);
     tracePoint(a.st, kTrOwnDone);
+    if (!lean) return;
+    // The peers' units continue where this rank's left off, so a warp takes at most one unit in all.
+    const uint32_t ownUnits = (static_cast<uint32_t>(lt.first[g.rank + 1] - lt.first[g.rank]) * pieces) % ownWarps;
+    expandLines<false>(a, lt, (ownWarp + ownWarps - ownUnits) % ownWarps, ownWarps, round, true);
     return;
   }
   expandLines<false>(a, lt, spreadWarp(blockIdx.x, firstLocal), firstLocal * kWarps, round, true);
