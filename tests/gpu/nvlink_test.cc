@@ -251,11 +251,16 @@ Scenario decodeShape() {
   return s;
 }
 
+// 128 tokens (plain slots, automatic) and 64 (line mode's lean split, automatic).
 TEST(NvlinkGpu, W2DecodeShape) {
   REQUIRE_GPUS(2);
   Scenario s = decodeShape();
   s.ragged = false;
-  runAll(2, {s});
+  Scenario lean = decodeShape();
+  lean.maxTokens = 64;
+  lean.masked = true;
+  lean.seed = 64;
+  runAll(2, {s, lean});
 }
 
 // More than 512 tokens per sender: the routing scan is shared by several blocks (each counts its chunk, they wait

@@ -429,7 +429,8 @@ std::unique_ptr<AllToAll> createNvlink(const Config& config, Bootstrap& bootstra
 std::vector<PlannedBuffer> planNvlink(const Config& config) {
   config.validate();
   // The planner runs without a GPU: assume an H200's 132 SMs for the block count (only the counters depend on it).
-  const Geometry g = nvlink::makeGeometry(config, chooseBlocks(config, 132));
+  const Geometry g = nvlink::makeGeometry(config, chooseBlocks(config, 132), env().nvlinkPull, env().nvlinkPushQuarters,
+                                          env().nvlinkLines);
   const uint64_t W = config.worldSize, Ts = g.slotsPerSender, K = config.expertsPerToken;
   std::vector<PlannedBuffer> plan;
   auto add = [&](const char* name, const char* memory, uint64_t bytes, const std::string& note) {
@@ -437,11 +438,13 @@ std::vector<PlannedBuffer> planNvlink(const Config& config) {
   };
   add("flags", "device (peer-mapped)", g.offNumTokens - g.offFlags, "u64 [2][W] monotone counters");
   add("routing counts", "device (peer-mapped)", g.offRoute - g.offNumTokens, "u64 [W] + u64 [W][L] (tagged)");
-  add("routing entries", "device (peer-mapped)", g.offPayload - g.offRoute,
+  add("routing entries", "device (peer-mapped)", g.offRawIdx - g.offRoute,
       "tagged {le, pos} [W=" + std::to_string(W) + "][K/2=" + std::to_string((K + 1) / 2) +
           "][Ts=" + std::to_string(Ts) + "][2]");
+  if (g.lines) add("line-mode indices", "device (peer-mapped)", g.offPayload - g.offRawIdx, "u64 [W][Ts][K] (tagged)");
   add("dispatch staging", "device (peer-mapped)", g.offWeights - g.offPayload,
-      "[W][Ts][" + std::to_string(g.slotBytes) + " B: payload + scales]");
+      "[W][Ts][" + std::to_string(g.slotBytes) + " B: payload + scales" +
+          (g.lines ? ", as " + std::to_string(g.linesPerSlot) + " tagged 128-byte lines]" : "]"));
   add("combine weights", "device (peer-mapped)", g.offPartials - g.offWeights, "u64 [W][Ts][K] (f32 + round tag)");
   add("combine partials", "device (peer-mapped)", g.totalBytes - g.offPartials,
       "[W][T=" + std::to_string(config.maxNumTokens) + "][H*4 B]");

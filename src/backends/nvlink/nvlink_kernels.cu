@@ -433,9 +433,9 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
 // 16-byte vectors per lane in one work unit of dispatchPayload and expandTokens: kUnroll (4 KiB per warp), or half of
 // that when a full batch at kUnroll has fewer units than the kernel has warps (decode: 7 KB tokens were 2 units, so
 // 128 tokens kept only half the own-token blocks' warps busy, each storing ~4 rows of 4 KiB).
-// Line mode: always kLineUnroll (a warp instruction moves 4 lines, so a unit is 16 lines; fewer registers than 8
-// vectors per lane, which the fused kernel, at its register limit, cannot spare).
-constexpr int kLineUnroll = kUnroll / 2;
+// Line mode: always kLineUnroll (a warp instruction moves 4 lines, so a unit is kLinesPerUnit = 16 lines; fewer
+// registers than 8 vectors per lane, which the fused kernel, at its register limit, cannot spare).
+constexpr int kLineUnroll = kLinesPerUnit / 4;
 __device__ __forceinline__ uint32_t unitVectors(const Geometry& g) {
   if (g.lines) return kLineUnroll;
   const uint64_t full = ceilDiv(g.hiddenBytes / 16 == 0 ? 1 : g.hiddenBytes / 16, 32 * kUnroll);
@@ -448,11 +448,6 @@ __device__ __forceinline__ uint32_t unitVectors(const Geometry& g) {
 __device__ __forceinline__ uint32_t vectorPieces(const Geometry& g) {
   const uint32_t units = g.hiddenBytes / 16;
   return units == 0 ? 1 : static_cast<uint32_t>(ceilDiv(units, 32 * unitVectors(g)));
-}
-
-// Line mode: work units per token of a copy of lines (4 x unitVectors(g) lines each).
-__device__ __forceinline__ uint32_t linePieces(const Geometry& g) {
-  return static_cast<uint32_t>(ceilDiv(g.linesPerSlot, 4 * unitVectors(g)));
 }
 
 // Work units per token of dispatchPayload and expandTokens (line mode: dispatchLines and expandLines).
@@ -913,8 +908,8 @@ __device__ void expandLines(const DispatchKernelArgs& a, const LineTables& lt, u
 // combine reads), blocks [R, R + P) store this rank's tokens into the other ranks as lines, blocks [R + P, B) (the
 // expanders) first send this rank's indices, then build the line tables (once the senders' indices land, ahead of
 // their payload) and expand. Nothing waits for a flag or a fence.
-//   Small batches (every sender's units fit the expanders' warps, one each, with P just enough blocks for one unit
-//   per warp of this rank's tokens): the expanders expand every token, this rank's from x and the peers' line by
+//   Small batches (leanLinePayloadBlocks: every sender's units fit the expanders' warps, one each, with P just enough
+//   blocks for one unit per warp of this rank's tokens): the expanders expand every token, this rank's from x and the peers' line by
 //   line as they land; the routing and payload blocks end after their stores. Building the tables right after
 //   the payload stores was their slowest step (trace, decode T = 32: tables at 8.2 us against 5.6 on the
 //   expanders: loads queue behind a block's own NVLink stores).
@@ -923,10 +918,8 @@ __device__ void fusedDispatchLines(const DispatchKernelArgs& a, int32_t* smem, u
                                    uint32_t sendRound, uint32_t payloadBlocks) {
   const Geometry& g = a.g;
   const uint32_t B = gridDim.x, R = g.routeBlocks;
-  const uint32_t pieces = linePieces(g);
-  const uint32_t leanPayload = min(B - R - 1, max(1u, static_cast<uint32_t>(ceilDiv(g.slotsPerSender * pieces, kWarps))));
-  const bool lean = static_cast<uint64_t>(g.worldSize) * g.slotsPerSender * pieces <=
-                    static_cast<uint64_t>(B - R - leanPayload) * kWarps;
+  const uint32_t pieces = linePieces(g), leanPayload = leanLinePayloadBlocks(g);
+  const bool lean = leanPayload > 0;
   const uint32_t P = lean ? leanPayload : payloadBlocks;
   const uint32_t firstLocal = R + P;
   const uint32_t ownWarp = spreadWarp(blockIdx.x - firstLocal, B - firstLocal), ownWarps = (B - firstLocal) * kWarps;

@@ -133,6 +133,26 @@ EPCOMM_HD uint64_t routeIndex(uint32_t K, uint32_t Ts, uint32_t s, uint32_t j, u
   return ((static_cast<uint64_t>(s) * pairs + k / 2) * Ts + j) * 2 + (k & 1);
 }
 
+/// Line mode: lines per work unit (a warp moves 4 lines per instruction, 4 instructions per unit) and units per token.
+constexpr uint32_t kLinesPerUnit = 16;
+EPCOMM_HD uint32_t linePieces(const Geometry& g) {
+  return static_cast<uint32_t>(ceilDiv(g.linesPerSlot, kLinesPerUnit));
+}
+
+/// Line mode's lean split of the fused dispatch (fusedDispatchLines), or 0 when the batch is too large for it: P
+/// payload blocks, enough for one work unit per warp of a sender's Ts tokens, and when the other B - R - P blocks
+/// (the expanders) have a warp for every unit of every sender's tokens, W x Ts x linePieces, they expand all of them
+/// and the payload blocks end after their stores. g.linesPerSlot must be set.
+EPCOMM_HD uint32_t leanLinePayloadBlocks(const Geometry& g) {
+  const uint64_t units = static_cast<uint64_t>(g.slotsPerSender) * linePieces(g);
+  if (g.blocks < g.routeBlocks + 2) return 0;
+  uint64_t p = ceilDiv(units, kWarps);
+  if (p < 1) p = 1;
+  if (p > g.blocks - g.routeBlocks - 1) p = g.blocks - g.routeBlocks - 1;
+  const uint64_t expanderWarps = (g.blocks - g.routeBlocks - p) * static_cast<uint64_t>(kWarps);
+  return units * g.worldSize <= expanderWarps ? static_cast<uint32_t>(p) : 0;
+}
+
 /// Fills a Geometry for `config` with `blocks` blocks per kernel. `pullMode`: 1 pull, 0 push, -1 automatic: pull
 /// when a sender's batch has at least one 4 KiB work unit per warp of the kernel (prefill), where the receivers'
 /// expansion of the peers' tokens would otherwise start only after the whole NVLink copy landed; push for small
@@ -140,11 +160,11 @@ EPCOMM_HD uint64_t routeIndex(uint32_t K, uint32_t Ts, uint32_t s, uint32_t j, u
 /// `pushQuarters` (pull mode): quarters of every sender's slots pushed all the same, -1 automatic (1): they cross
 /// NVLink while the rest is staged locally, which the link would otherwise wait for. Values above 4 clamp to 4 here;
 /// EPCOMM_NVLINK_PUSH_QUARTERS outside [-1, 4] is already an error when the environment is read.
-/// `lineMode` (push mode with W > 1 and K <= 32 only): 1 on, 0 off, -1 automatic: on for W x Ts x K <=
-/// kAutoLineEntries routing entries. Measured on 2x H200 (decode, session 11): lines save 2.5 us at T = 1 and 0.9 us
-/// at T = 32, but cost 2.7 us at T = 128 and 5.5 us at T = 512, where every receiving block's ranking of all W x Ts x K
-/// entries and the line copies take longer than the flag and fence they replace (docs/nvlink.md, eleventh pass).
-constexpr uint64_t kAutoLineEntries = 512;
+/// `lineMode` (push mode with W > 1 and K <= 32 only): 1 on, 0 off, -1 automatic: on when the batch is small enough
+/// for leanLinePayloadBlocks(). Measured on 2x H200 (session 11, dispatch eager): lean lines save 0.6-2 us at decode
+/// T = 1-64 and 1.3-2.2 us at qwen3 / small T = 32-64; without the lean split lines cost 0.4 us at decode T = 96, 3
+/// at T = 128 and 5.5 at T = 512, where every receiving block's ranking of all W x Ts x K entries and the line copies
+/// take longer than the flag and fence they replace (docs/nvlink.md, eleventh pass).
 inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1, int pushQuarters = -1,
                              int lineMode = -1) {
   Geometry g{};
@@ -174,11 +194,12 @@ inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1
   g.pushQuarters = g.pull ? static_cast<uint32_t>(pushQuarters < 0 ? 1 : pushQuarters > 4 ? 4 : pushQuarters) : 0;
   const uint64_t W = c.worldSize, Ts = g.slotsPerSender, K = c.expertsPerToken;
   const bool linesPossible = c.worldSize > 1 && g.pull == 0 && K <= 32;
-  g.lines = linesPossible && (lineMode > 0 || (lineMode < 0 && W * Ts * K <= kAutoLineEntries)) ? 1 : 0;
+  g.linesPerSlot = static_cast<uint32_t>(ceilDiv(roundUpPow2(c.hiddenDimBytes + c.hiddenDimScaleBytes, 16), kLineData));
+  g.lines = linesPossible && (lineMode > 0 || (lineMode < 0 && leanLinePayloadBlocks(g) > 0)) ? 1 : 0;
   if (g.lines) {
-    g.linesPerSlot =
-        static_cast<uint32_t>(ceilDiv(roundUpPow2(c.hiddenDimBytes + c.hiddenDimScaleBytes, 16), kLineData));
     g.slotBytes = g.linesPerSlot * kLineBytes;
+  } else {
+    g.linesPerSlot = 0;
   }
   uint64_t off = 0;
   g.offFlags = off;
