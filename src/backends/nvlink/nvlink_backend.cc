@@ -113,7 +113,7 @@ class NvlinkAllToAll final : public AllToAll {
     int sms = 0;
     EPCOMM_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
     geo_ = nvlink::makeGeometry(config, chooseBlocks(config, sms), env().nvlinkPull, env().nvlinkPushQuarters,
-                               env().nvlinkLines);
+                                env().nvlinkLines);
     const uint32_t W = config.worldSize;
     EPCOMM_CHECK(W <= nvlink::kMaxRanks, kUnavailable,
                  "nvlink backend supports at most " << nvlink::kMaxRanks << " ranks, got " << W);

@@ -4,7 +4,8 @@
 // Ordering argument used throughout: a block's threads store into a peer's region (weak stores), then
 // __syncthreads(), then thread 0 issues fence.acq_rel.sys and a red.release.sys add on the peer's flag. The receiver
 // polls the flag with ld.acquire.sys, then __syncthreads(), and its threads read the data with ordinary loads:
-// barrier + fence cumulativity make every store of the sending block visible before the flag increment.
+// barrier + fence cumulativity make every store of the sending block visible before the flag increment. Tagged words
+// (the round in the same 8 bytes) and line mode's tagged lines need neither: the value and its round arrive together.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -262,8 +263,8 @@ __device__ RowTables computeRows(char* local, const Geometry& g, int32_t* smem, 
   // Another warp, so the two polls overlap; the barrier below orders the acquire before every entry read.
   if (routeFlag > 0 && threadIdx.x >= 32 && threadIdx.x < 32 + W) {
     const uint32_t s = threadIdx.x - 32;
-    ok = waitFlag(flagPtr(local, g, kFlagDispatch, s), routeFlag, st, kPhaseDispatchRecv, rank,
-                  static_cast<int32_t>(s), patienceFor(g, s));
+    ok = waitFlag(flagPtr(local, g, kFlagDispatch, s), routeFlag, st, kPhaseDispatchRecv, rank, static_cast<int32_t>(s),
+                  patienceFor(g, s));
   }
   for (uint32_t le = threadIdx.x; le < L; le += blockDim.x) {
     int32_t acc = 0;
@@ -682,8 +683,7 @@ __device__ void dispatchLines(const DispatchKernelArgs& a, uint32_t n, uint32_t 
       }
     }
     const bool valid = e0 >= 0 && e0 < static_cast<int64_t>(g.numExperts);
-    const uint32_t ranks =
-        __reduce_or_sync(0xffffffffu, valid ? 1u << (static_cast<uint32_t>(e0) / L) : 0u) & destMask;
+    const uint32_t ranks = __reduce_or_sync(0xffffffffu, valid ? 1u << (static_cast<uint32_t>(e0) / L) : 0u) & destMask;
     const uint64_t slotOff = g.offPayload + (static_cast<uint64_t>(g.rank) * Ts + j) * g.slotBytes;
     for (uint32_t m = ranks; m != 0; m &= m - 1) {
       char* dst = a.peers[__ffs(m) - 1] + slotOff;
@@ -707,7 +707,7 @@ struct LineTables {
   int32_t* before;   // [ceil(W Ts / 32)][L]: rows of expert le taken by tokens before u / 32 * 32
   int32_t* entLe;    // [W Ts K]
   uint32_t L;
-  bool ok;           // false: a sender's indices never arrived (recorded); nothing else is valid
+  bool ok;  // false: a sender's indices never arrived (recorded); nothing else is valid
 };
 
 // Row (within expert le's rows) of token number u.
@@ -748,7 +748,8 @@ __device__ LineTables computeLineTables(const DispatchKernelArgs& a, int32_t* sm
   bool ok = true;
   if (threadIdx.x < W) {
     uint32_t n = 0;
-    ok = waitTagged(numTokens + threadIdx.x, round, a.st, kPhaseDispatchRecv, rank, static_cast<int32_t>(threadIdx.x), n);
+    ok = waitTagged(numTokens + threadIdx.x, round, a.st, kPhaseDispatchRecv, rank, static_cast<int32_t>(threadIdx.x),
+                    n);
     lt.first[threadIdx.x + 1] = static_cast<int32_t>(n);
   }
   for (uint32_t i = threadIdx.x; i < words; i += blockDim.x) bits[i] = 0;
@@ -909,9 +910,9 @@ __device__ void expandLines(const DispatchKernelArgs& a, const LineTables& lt, u
 // expanders) first send this rank's indices, then build the line tables (once the senders' indices land, ahead of
 // their payload) and expand. Nothing waits for a flag or a fence.
 //   Small batches (leanLinePayloadBlocks: every sender's units fit the expanders' warps, one each, with P just enough
-//   blocks for one unit per warp of this rank's tokens): the expanders expand every token, this rank's from x and the peers' line by
-//   line as they land; the routing and payload blocks end after their stores. Building the tables right after
-//   the payload stores was their slowest step (trace, decode T = 32: tables at 8.2 us against 5.6 on the
+//   blocks for one unit per warp of this rank's tokens): the expanders expand every token, this rank's from x and the
+//   peers' line by line as they land; the routing and payload blocks end after their stores. Building the tables right
+//   after the payload stores was their slowest step (trace, decode T = 32: tables at 8.2 us against 5.6 on the
 //   expanders: loads queue behind a block's own NVLink stores).
 //   Otherwise P = `payloadBlocks` (as in fusedDispatch) and those blocks also expand the peers' tokens.
 __device__ void fusedDispatchLines(const DispatchKernelArgs& a, int32_t* smem, uint32_t n, uint32_t round,
