@@ -51,6 +51,11 @@ TEST(NvlinkLayout, LineModeForSmallPushes) {
   EXPECT_EQ(nvlink::makeGeometry(make(32, 2, 8), 66).lines, 1u);
   EXPECT_EQ(nvlink::makeGeometry(make(96, 2, 8), 66).lines, 0u);   // 2 x 480 units, 35 expander blocks: too many
   EXPECT_EQ(nvlink::makeGeometry(make(128, 2, 8), 66).lines, 0u);  // decode T = 128: plain slots measured faster
+  // Eight ranks: 16 tokens x 5 units need 5 payload blocks, 8 x 80 units fit the other 60 blocks' 960 warps; 24
+  // tokens (8 x 120 units, 57 blocks' 912 warps) do not.
+  EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(16, 8, 8), 66)), 5u);
+  EXPECT_EQ(nvlink::makeGeometry(make(16, 8, 8), 66).lines, 1u);
+  EXPECT_EQ(nvlink::makeGeometry(make(24, 8, 8), 66).lines, 0u);
   const nvlink::Geometry forced = nvlink::makeGeometry(make(1024, 2, 8), 66, 0, -1, 1);  // forced (push mode)
   EXPECT_EQ(forced.lines, 1u);
   EXPECT_EQ(nvlink::leanLinePayloadBlocks(forced), 0u);  // the fused kernel splits its roles as in plain mode
