@@ -125,8 +125,10 @@ class NvlinkAllToAll final : public AllToAll {
     int smemMax = 0;
     EPCOMM_CHECK_CUDA(cudaDeviceGetAttribute(&smemMax, cudaDevAttrMaxSharedMemoryPerBlockOptin, device_));
     EPCOMM_CHECK(smem <= static_cast<uint32_t>(smemMax), kInvalidConfig,
-                 "nvlink kernels would need " << smem << " bytes of shared memory (numExperts = " << config.numExperts
-                                              << "), the device allows " << smemMax);
+                 "nvlink kernels would need "
+                     << smem << " bytes of shared memory (numExperts = " << config.numExperts
+                     << (geo_.lines ? ", line mode's tables for W x tokens x K routing entries" : "")
+                     << "), the device allows " << smemMax << (geo_.lines ? " (set EPCOMM_NVLINK_LINES=0)" : ""));
     int rc = nvlink::configureKernels(smem);
     EPCOMM_CHECK(rc == 0, kCuda,
                  "cudaFuncSetAttribute(max dynamic shared memory "

@@ -56,8 +56,8 @@ EPCOMM_HD RouteEntry unpackEntry(uint32_t v) {
 ///   rawIdx      u64 [W][Ts][K]          line mode: the sender's expert indices, tagWord(send round, index or
 ///                                       0xFFFFFFFF); each receiver ranks the tokens itself (computeLineTables)
 ///   payload     u8 [W][Ts][slotBytes]   token bytes then scales (line mode: as tagged lines), slot = token
-///                                       index / D (pull: a sender stages
-///                                       its own tokens in slots [rank][*] of its own region, read by receivers)
+///                                       index / D (pull: a sender stages its own tokens in slots [rank][*] of
+///                                       its own region, read by receivers)
 ///   weights     u64 [W][Ts][K]          router weights pushed by the token's sender at combine start, each
 ///                                       tagged with the sender's combine round (round << 32 | f32 bits)
 ///   partials    u8 [W][T][partialBytes] per expert rank e: sum over e's experts of w * y for token t
@@ -234,8 +234,6 @@ inline uint64_t routeScratchBytes(const Geometry& g) {
   return 256 + static_cast<uint64_t>(g.routeBlocks) * g.numExperts * 4;
 }
 
-/// Dynamic shared memory of every nvlink kernel: the sender's routing scan (bits and bases per warp per expert,
-/// running counts) or the receiver's row bases, whichever is larger.
 /// Line mode: the receivers' tables (computeLineTables), i32 words: first token of each sender [W + 1], expert totals
 /// and first rows [2][L], per 32 tokens and expert the tokens' bits and the rows before them [2][ceil(W Ts / 32)][L],
 /// per routing entry its local expert [W Ts K].
@@ -244,6 +242,8 @@ inline uint64_t lineTableBytes(const Geometry& g) {
   return (W + 1 + 2 * L + 2 * ceilDiv(W * Ts, 32) * L + W * Ts * g.topK) * 4;
 }
 
+/// Dynamic shared memory of every nvlink kernel: the sender's routing scan (bits and bases per warp per expert,
+/// running counts), the receiver's row bases or (line mode) its line tables, whichever is largest.
 inline uint32_t sharedBytes(const Geometry& g) {
   const uint64_t scan = (2ull * kWarps + 1) * g.numExperts * 4;
   const uint64_t rows = ((static_cast<uint64_t>(g.worldSize) + 2) * g.numLocalExperts + g.worldSize) * 4;
