@@ -14,6 +14,7 @@
 #include "epcomm/error.hpp"
 #include "gpu_harness.hpp"
 #include "support/multiprocess.hpp"
+#include "support/scoped_env.hpp"
 
 namespace epcomm {
 namespace {
@@ -22,6 +23,7 @@ using gputest::DeviceBuffer;
 using gputest::DeviceTensors;
 using gputest::Round;
 using gputest::Scenario;
+using test::ScopedEnv;
 
 #define REQUIRE_GPUS(n)                                                                              \
   do {                                                                                               \
@@ -298,31 +300,6 @@ TEST(NvlinkGpu, W2RoutingChunks) {
   REQUIRE_GPUS(2);
   runAll(2, routingChunks(2));
 }
-
-// Sets environment variables for one test's child processes (read once per process, after the fork) and restores
-// them afterwards.
-class ScopedEnv {
- public:
-  ScopedEnv(std::initializer_list<std::pair<const char*, const char*>> vars) {
-    for (const auto& v : vars) {
-      const char* old = std::getenv(v.first);
-      saved_.emplace_back(v.first, old != nullptr ? std::make_unique<std::string>(old) : nullptr);
-      setenv(v.first, v.second, 1);
-    }
-  }
-  ~ScopedEnv() {
-    for (const auto& v : saved_) {
-      if (v.second != nullptr) {
-        setenv(v.first, v.second->c_str(), 1);
-      } else {
-        unsetenv(v.first);
-      }
-    }
-  }
-
- private:
-  std::vector<std::pair<const char*, std::unique_ptr<std::string>>> saved_;
-};
 
 // Push mode without line mode (EPCOMM_NVLINK_LINES=0; the small W2 tests above use lines, automatic at their sizes):
 // plain slots behind the dispatch flag. Decode shape, split + accumulate, packed + padding with D = 2, mixed

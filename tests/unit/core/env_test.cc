@@ -7,16 +7,12 @@
 #include <cstdlib>
 
 #include "expect_error.hpp"
+#include "support/scoped_env.hpp"
 
 namespace epcomm {
 namespace {
 
-// Sets `name` for the scope of one check.
-struct ScopedEnv {
-  const char* name;
-  ScopedEnv(const char* n, const char* value) : name(n) { setenv(n, value, 1); }
-  ~ScopedEnv() { unsetenv(name); }
-};
+using test::ScopedEnv;
 
 TEST(Env, OutOfRangeValuesAreErrors) {
   struct Case {
@@ -25,27 +21,29 @@ TEST(Env, OutOfRangeValuesAreErrors) {
   };
   for (const Case& c :
        {Case{"EPCOMM_NVLINK_PUSH_QUARTERS", "5"}, Case{"EPCOMM_NVLINK_PUSH_QUARTERS", "-2"},
-        Case{"EPCOMM_NVLINK_PULL", "2"}, Case{"EPCOMM_NVLINK_BLOCKS", "-1"}, Case{"EPCOMM_NVLINK_GRAPH_LAUNCH", "2"}}) {
-    ScopedEnv set(c.name, c.value);
+        Case{"EPCOMM_NVLINK_PULL", "2"}, Case{"EPCOMM_NVLINK_BLOCKS", "-1"}, Case{"EPCOMM_NVLINK_GRAPH_LAUNCH", "2"},
+        Case{"EPCOMM_NVLINK_LINES", "2"}, Case{"EPCOMM_NVLINK_LINES", "-2"}}) {
+    ScopedEnv set({{c.name, c.value}});
     testing::expectError([] { readEnv(); }, ErrorCode::kInvalidArgument, {c.name, c.value, "out of range"});
   }
   {
-    ScopedEnv set("EPCOMM_NVLINK_PUSH_QUARTERS", "two");
+    ScopedEnv set({{"EPCOMM_NVLINK_PUSH_QUARTERS", "two"}});
     testing::expectError([] { readEnv(); }, ErrorCode::kInvalidArgument,
                          {"EPCOMM_NVLINK_PUSH_QUARTERS", "'two'", "not an integer"});
   }
 }
 
 TEST(Env, ValuesInRangeAreRead) {
-  ScopedEnv q("EPCOMM_NVLINK_PUSH_QUARTERS", "4");
-  ScopedEnv p("EPCOMM_NVLINK_PULL", "0");
+  ScopedEnv set({{"EPCOMM_NVLINK_PUSH_QUARTERS", "4"}, {"EPCOMM_NVLINK_PULL", "0"}});
   const Env e = readEnv();
   EXPECT_EQ(e.nvlinkPushQuarters, 4);
   EXPECT_EQ(e.nvlinkPull, 0);
   EXPECT_EQ(e.nvlinkBlocks, 0);
+  EXPECT_EQ(e.nvlinkLines, -1);      // default: line mode automatic
   EXPECT_TRUE(e.nvlinkGraphLaunch);  // default: cached launch graphs on
-  ScopedEnv off("EPCOMM_NVLINK_GRAPH_LAUNCH", "0");
+  ScopedEnv off({{"EPCOMM_NVLINK_GRAPH_LAUNCH", "0"}, {"EPCOMM_NVLINK_LINES", "0"}});
   EXPECT_FALSE(readEnv().nvlinkGraphLaunch);
+  EXPECT_EQ(readEnv().nvlinkLines, 0);
 }
 
 }  // namespace
