@@ -18,19 +18,9 @@
 #include <cstdlib>
 #include <string>
 
+#include "probe_check.hpp"
+
 namespace {
-
-// Exit status when the machine cannot run the probe (ctest's SKIP_RETURN_CODE).
-constexpr int kSkipped = 77;
-
-#define CHECK(expr)                                                                                \
-  do {                                                                                             \
-    cudaError_t e_ = (expr);                                                                       \
-    if (e_ != cudaSuccess) {                                                                       \
-      std::fprintf(stderr, "%s: %s (%s:%d)\n", #expr, cudaGetErrorString(e_), __FILE__, __LINE__); \
-      return 2;                                                                                    \
-    }                                                                                              \
-  } while (0)
 
 __host__ __device__ uint64_t word(uint64_t round, uint64_t line, uint64_t w) {
   return (round * 0x9E3779B97F4A7C15ull) ^ (line << 8) ^ w;
@@ -106,36 +96,36 @@ int main(int argc, char** argv) {
   if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
   if (count < 2) {
     std::printf("nvlink-line-probe: needs 2 GPUs, this machine has %d: skipped\n", count);
-    return kSkipped;
+    return probe::kSkipped;
   }
   int can = 0;
-  CHECK(cudaDeviceCanAccessPeer(&can, 0, 1));
+  PROBE_CHECK(cudaDeviceCanAccessPeer(&can, 0, 1));
   if (can == 0) {
     std::printf("nvlink-line-probe: GPU 0 cannot access GPU 1: skipped\n");
-    return kSkipped;
+    return probe::kSkipped;
   }
   uint64_t* buf = nullptr;
   unsigned long long* stats = nullptr;
-  CHECK(cudaSetDevice(1));
-  CHECK(cudaMalloc(&buf, static_cast<size_t>(lines) * 128));
-  CHECK(cudaMemset(buf, 0, static_cast<size_t>(lines) * 128));
-  CHECK(cudaMalloc(&stats, 6 * sizeof(unsigned long long)));
-  CHECK(cudaMemset(stats, 0, 6 * sizeof(unsigned long long)));
-  CHECK(cudaDeviceSynchronize());
-  CHECK(cudaSetDevice(0));
-  CHECK(cudaDeviceEnablePeerAccess(1, 0));
+  PROBE_CHECK(cudaSetDevice(1));
+  PROBE_CHECK(cudaMalloc(&buf, static_cast<size_t>(lines) * 128));
+  PROBE_CHECK(cudaMemset(buf, 0, static_cast<size_t>(lines) * 128));
+  PROBE_CHECK(cudaMalloc(&stats, 6 * sizeof(unsigned long long)));
+  PROBE_CHECK(cudaMemset(stats, 0, 6 * sizeof(unsigned long long)));
+  PROBE_CHECK(cudaDeviceSynchronize());
+  PROBE_CHECK(cudaSetDevice(0));
+  PROBE_CHECK(cudaDeviceEnablePeerAccess(1, 0));
   // Reader first (it spins until the last round), then the writer on the other GPU.
-  CHECK(cudaSetDevice(1));
+  PROBE_CHECK(cudaSetDevice(1));
   reader<<<66, 512>>>(buf, lines, rounds, stats, stats + 1, stats + 2, 20ull * 1000 * 1000 * 1000);
-  CHECK(cudaGetLastError());
-  CHECK(cudaSetDevice(0));
+  PROBE_CHECK(cudaGetLastError());
+  PROBE_CHECK(cudaSetDevice(0));
   writer<<<66, 512>>>(buf, lines, rounds, tagFirst);
-  CHECK(cudaGetLastError());
-  CHECK(cudaDeviceSynchronize());
-  CHECK(cudaSetDevice(1));
-  CHECK(cudaDeviceSynchronize());
+  PROBE_CHECK(cudaGetLastError());
+  PROBE_CHECK(cudaDeviceSynchronize());
+  PROBE_CHECK(cudaSetDevice(1));
+  PROBE_CHECK(cudaDeviceSynchronize());
   unsigned long long h[6] = {};
-  CHECK(cudaMemcpy(h, stats, sizeof(h), cudaMemcpyDeviceToHost));
+  PROBE_CHECK(cudaMemcpy(h, stats, sizeof(h), cudaMemcpyDeviceToHost));
   std::printf(
       "nvlink-line-probe: %u lines x %u rounds, 128-byte lines stored by 8 lanes x 16 B into the peer: "
       "%llu line reads with a round tag checked, %llu torn%s%s\n",

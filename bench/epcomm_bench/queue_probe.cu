@@ -20,36 +20,23 @@
 #include <cstdlib>
 #include <vector>
 
+#include "epcomm/device/ptx.cuh"
+#include "probe_check.hpp"
+
 namespace {
 
-constexpr int kSkipped = 77;
 constexpr uint64_t kBulkBytes = 256ull << 20;  // ring the bulk blocks store into, over and over
 constexpr uint64_t kExit = ~0ull;
 
-#define CHECK(expr)                                                                                \
-  do {                                                                                             \
-    cudaError_t e_ = (expr);                                                                       \
-    if (e_ != cudaSuccess) {                                                                       \
-      std::fprintf(stderr, "%s: %s (%s:%d)\n", #expr, cudaGetErrorString(e_), __FILE__, __LINE__); \
-      return 2;                                                                                    \
-    }                                                                                              \
-  } while (0)
-
-__device__ __forceinline__ uint64_t ldVolatile(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void stVolatile(uint64_t* p, uint64_t v) {
-  asm volatile("st.volatile.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
+using epcomm::device::ldRelaxedSys;
+using epcomm::device::stRelaxedSys;
 
 // GPU 0: stores into the peer's ring until *stop (checked every 64 vectors per thread).
 __global__ void bulk(int4* ring, uint64_t vectors, const uint64_t* stop) {
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   const int4 v = make_int4(1, 2, 3, static_cast<int>(threadIdx.x));
   for (uint64_t i = blockIdx.x * blockDim.x + threadIdx.x, n = 0;; i += stride, ++n) {
-    if ((n & 63) == 0 && ldVolatile(stop) != 0) return;
+    if ((n & 63) == 0 && ldRelaxedSys(stop) != 0) return;
     ring[i % vectors] = v;
   }
 }
@@ -59,10 +46,10 @@ __global__ void echo(const uint64_t* flag, uint64_t* ack) {
   const long long start = clock64();
   uint64_t last = 0;
   for (;;) {
-    const uint64_t v = ldVolatile(flag);
+    const uint64_t v = ldRelaxedSys(flag);
     if (v == kExit) return;
     if (v != last) {
-      stVolatile(ack, v);
+      stRelaxedSys(ack, v);
       last = v;
     }
     if (clock64() - start > 20000000000ll) return;
@@ -82,15 +69,15 @@ __global__ void pushRtt(uint64_t* peerFlag, const uint64_t* ack, long long* samp
   pause(delay);
   for (int s = 1; s <= n; ++s) {
     const long long t0 = clock64();
-    stVolatile(peerFlag, static_cast<uint64_t>(s));
-    while (ldVolatile(ack) != static_cast<uint64_t>(s)) {
+    stRelaxedSys(peerFlag, static_cast<uint64_t>(s));
+    while (ldRelaxedSys(ack) != static_cast<uint64_t>(s)) {
       if (clock64() - t0 > 4000000000ll) break;  // ~2 s: give up on this sample
     }
     samples[s - 1] = clock64() - t0;
     pause(2000);
   }
-  stVolatile(stop, 1);
-  stVolatile(peerFlag, kExit);
+  stRelaxedSys(stop, 1);
+  stRelaxedSys(peerFlag, kExit);
 }
 
 // GPU 1: latencies of loads of a word in GPU 0's memory; then stops the bulk (a store into GPU 0).
@@ -100,12 +87,12 @@ __global__ void readLatency(const uint64_t* peerWord, long long* samples, int n,
   uint64_t sum = 0;
   for (int s = 0; s < n; ++s) {
     const long long t0 = clock64();
-    sum += ldVolatile(peerWord + (s & 7) * 32);  // 8 different 256-byte-apart words, each a fresh round trip
+    sum += ldRelaxedSys(peerWord + (s & 7) * 32);  // 8 different 256-byte-apart words, each a fresh round trip
     samples[s] = clock64() - t0;
     pause(2000);
   }
   *sink = sum;
-  stVolatile(peerStop, 1);
+  stRelaxedSys(peerStop, 1);
 }
 
 struct Stats {
@@ -126,37 +113,37 @@ int main(int argc, char** argv) {
   if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
   if (count < 2) {
     std::printf("nvlink-queue-probe: needs 2 GPUs, this machine has %d: skipped\n", count);
-    return kSkipped;
+    return probe::kSkipped;
   }
   int can01 = 0, can10 = 0;
-  CHECK(cudaDeviceCanAccessPeer(&can01, 0, 1));
-  CHECK(cudaDeviceCanAccessPeer(&can10, 1, 0));
+  PROBE_CHECK(cudaDeviceCanAccessPeer(&can01, 0, 1));
+  PROBE_CHECK(cudaDeviceCanAccessPeer(&can10, 1, 0));
   if (can01 == 0 || can10 == 0) {
     std::printf("nvlink-queue-probe: GPUs 0 and 1 cannot access each other: skipped\n");
-    return kSkipped;
+    return probe::kSkipped;
   }
   int clock0 = 0, clock1 = 0;  // kHz
-  CHECK(cudaDeviceGetAttribute(&clock0, cudaDevAttrClockRate, 0));
-  CHECK(cudaDeviceGetAttribute(&clock1, cudaDevAttrClockRate, 1));
+  PROBE_CHECK(cudaDeviceGetAttribute(&clock0, cudaDevAttrClockRate, 0));
+  PROBE_CHECK(cudaDeviceGetAttribute(&clock1, cudaDevAttrClockRate, 1));
   // GPU 1: the ring, the flag; GPU 0: ack, stop, the word GPU 1 reads.
   int4* ring = nullptr;
   uint64_t *flag = nullptr, *ctl0 = nullptr, *sink = nullptr;
   long long *samples0 = nullptr, *samples1 = nullptr;
-  CHECK(cudaSetDevice(1));
-  CHECK(cudaDeviceEnablePeerAccess(0, 0));
-  CHECK(cudaMalloc(&ring, kBulkBytes));
-  CHECK(cudaMalloc(&flag, 256));
-  CHECK(cudaMalloc(&samples1, n * sizeof(long long)));
-  CHECK(cudaMalloc(&sink, 8));
-  CHECK(cudaSetDevice(0));
-  CHECK(cudaDeviceEnablePeerAccess(1, 0));
-  CHECK(cudaMalloc(&ctl0, 4096));  // [0] ack, [32] stop, [64..] the words GPU 1 reads
-  CHECK(cudaMalloc(&samples0, n * sizeof(long long)));
+  PROBE_CHECK(cudaSetDevice(1));
+  PROBE_CHECK(cudaDeviceEnablePeerAccess(0, 0));
+  PROBE_CHECK(cudaMalloc(&ring, kBulkBytes));
+  PROBE_CHECK(cudaMalloc(&flag, 256));
+  PROBE_CHECK(cudaMalloc(&samples1, n * sizeof(long long)));
+  PROBE_CHECK(cudaMalloc(&sink, 8));
+  PROBE_CHECK(cudaSetDevice(0));
+  PROBE_CHECK(cudaDeviceEnablePeerAccess(1, 0));
+  PROBE_CHECK(cudaMalloc(&ctl0, 4096));  // [0] ack, [32] stop, [64..] the words GPU 1 reads
+  PROBE_CHECK(cudaMalloc(&samples0, n * sizeof(long long)));
   cudaStream_t s0a, s0b, s1;
-  CHECK(cudaStreamCreateWithFlags(&s0a, cudaStreamNonBlocking));
-  CHECK(cudaStreamCreateWithFlags(&s0b, cudaStreamNonBlocking));
-  CHECK(cudaSetDevice(1));
-  CHECK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+  PROBE_CHECK(cudaStreamCreateWithFlags(&s0a, cudaStreamNonBlocking));
+  PROBE_CHECK(cudaStreamCreateWithFlags(&s0b, cudaStreamNonBlocking));
+  PROBE_CHECK(cudaSetDevice(1));
+  PROBE_CHECK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
   uint64_t* ack = ctl0;
   uint64_t* stop = ctl0 + 32;
   const uint64_t* words = ctl0 + 64;
@@ -170,37 +157,37 @@ int main(int argc, char** argv) {
   for (int withBulk = 0; withBulk < 2; ++withBulk) {
     const int blocks = withBulk ? bulkBlocks : 0;
     for (int mode = 0; mode < 2; ++mode) {
-      CHECK(cudaSetDevice(1));
-      CHECK(cudaMemset(flag, 0, 256));
-      CHECK(cudaDeviceSynchronize());
-      CHECK(cudaSetDevice(0));
-      CHECK(cudaMemset(ctl0, 0, 4096));
-      CHECK(cudaDeviceSynchronize());
+      PROBE_CHECK(cudaSetDevice(1));
+      PROBE_CHECK(cudaMemset(flag, 0, 256));
+      PROBE_CHECK(cudaDeviceSynchronize());
+      PROBE_CHECK(cudaSetDevice(0));
+      PROBE_CHECK(cudaMemset(ctl0, 0, 4096));
+      PROBE_CHECK(cudaDeviceSynchronize());
       if (blocks > 0) {
         bulk<<<blocks, 512, 0, s0a>>>(ring, kBulkBytes / 16, stop);
-        CHECK(cudaGetLastError());
+        PROBE_CHECK(cudaGetLastError());
       }
       if (mode == 0) {
-        CHECK(cudaSetDevice(1));
+        PROBE_CHECK(cudaSetDevice(1));
         echo<<<1, 1, 0, s1>>>(flag, ack);
-        CHECK(cudaGetLastError());
-        CHECK(cudaSetDevice(0));
+        PROBE_CHECK(cudaGetLastError());
+        PROBE_CHECK(cudaSetDevice(0));
         pushRtt<<<1, 1, 0, s0b>>>(flag, ack, samples0, n, delay0, stop);
-        CHECK(cudaGetLastError());
+        PROBE_CHECK(cudaGetLastError());
       } else {
-        CHECK(cudaSetDevice(1));
+        PROBE_CHECK(cudaSetDevice(1));
         readLatency<<<1, 1, 0, s1>>>(words, samples1, n, delay1, stop, sink);
-        CHECK(cudaGetLastError());
+        PROBE_CHECK(cudaGetLastError());
       }
-      CHECK(cudaSetDevice(1));
-      CHECK(cudaDeviceSynchronize());
-      CHECK(cudaSetDevice(0));
-      CHECK(cudaDeviceSynchronize());
+      PROBE_CHECK(cudaSetDevice(1));
+      PROBE_CHECK(cudaDeviceSynchronize());
+      PROBE_CHECK(cudaSetDevice(0));
+      PROBE_CHECK(cudaDeviceSynchronize());
       if (mode == 0) {
-        CHECK(cudaMemcpy(h.data(), samples0, n * sizeof(long long), cudaMemcpyDeviceToHost));
+        PROBE_CHECK(cudaMemcpy(h.data(), samples0, n * sizeof(long long), cudaMemcpyDeviceToHost));
       } else {
-        CHECK(cudaSetDevice(1));
-        CHECK(cudaMemcpy(h.data(), samples1, n * sizeof(long long), cudaMemcpyDeviceToHost));
+        PROBE_CHECK(cudaSetDevice(1));
+        PROBE_CHECK(cudaMemcpy(h.data(), samples1, n * sizeof(long long), cudaMemcpyDeviceToHost));
       }
       const Stats st = summarize(h, (mode == 0 ? clock0 : clock1) / 1000.0);
       std::printf("  %-4s %-5s: %7.2f / %7.2f us  (%s)\n", mode == 0 ? "push" : "read", withBulk ? "bulk" : "idle",
