@@ -303,6 +303,10 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
   uint32_t* bits = reinterpret_cast<uint32_t*>(smem);  // [kWarps][E]: lanes of the warp's 32 tokens per expert
   int32_t* base = smem + kWarps * E;                   // [kWarps][E]: tokens before this warp's 32
   int32_t* running = smem + 2 * kWarps * E;            // [E]
+  // The token count first: the receivers' row tables need it with the counts.
+  if (chunk == 0 && threadIdx.x < W) {
+    stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[threadIdx.x] + g.offNumTokens) + g.rank, tagWord(round, n));
+  }
   for (uint32_t i = threadIdx.x; i < kWarps * E; i += blockDim.x) bits[i] = 0;
   for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) running[e] = 0;
   __syncthreads();
@@ -390,6 +394,11 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
     for (uint32_t i = threadIdx.x; i < tokenWarps * E; i += blockDim.x) bits[i] = 0;
     __syncthreads();
   };
+  // This rank's count of expert e's tokens, into e's rank (tagged: the receivers poll it).
+  auto emitCount = [&](uint32_t e, int32_t count) {
+    stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[e / L] + g.offCounts) + g.rank * L + e % L,
+                 tagWord(round, static_cast<uint32_t>(count)));
+  };
   // After counting its chunk: publish the histogram, wait for the other routing blocks, start the positions at the
   // earlier chunks' total.
   auto publishChunk = [&]() -> bool {
@@ -406,6 +415,10 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
     for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
       int32_t before = 0;
       for (uint32_t c = 0; c < chunk; ++c) before += __ldcg(a.st.routeScratch + c * E + e);
+      // The last chunk's block knows every chunk's histogram now: the receivers' counts go out before the positions
+      // (prefill: ~10 us earlier), so the receivers' row tables, and with them the expansion of each rank's own
+      // tokens, do not wait for the whole routing pass.
+      if (chunk == R - 1) emitCount(e, before + running[e]);
       running[e] = before;
     }
     __syncthreads();
@@ -418,15 +431,10 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
     if (phase == 1 && R > 1 && !publishChunk()) return false;
     for (uint32_t jb = lo; jb < hi; jb += kThreads) pass(jb, phase == 1);
   }
-  // After the last chunk's positions its running counts are this rank's totals per expert: the receivers' counts.
-  if (chunk == R - 1) {
-    for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
-      stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[e / L] + g.offCounts) + g.rank * L + e % L,
-                   tagWord(round, static_cast<uint32_t>(running[e])));
-    }
-  }
-  if (chunk == 0 && threadIdx.x < W) {
-    stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[threadIdx.x] + g.offNumTokens) + g.rank, tagWord(round, n));
+  // One routing block: after its positions its running counts are this rank's totals per expert, the receivers'
+  // counts (with several, the last one sent them after the counting phase).
+  if (R == 1) {
+    for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) emitCount(e, running[e]);
   }
   return true;
 }
