@@ -151,12 +151,14 @@ __device__ bool waitAllRanks(char* local, const Geometry& g, int which, uint64_t
 // Thread 0 of a block: after the block's stores, signals flag `which` of every rank (one increment per block). One
 // system fence, then relaxed adds: the fence + strong write is the release pattern (red.release would add a fence
 // per add).
+// signalRanks: the calling thread's part alone (the caller orders the block's stores before it).
+__device__ void signalRanks(char* const* peers, const Geometry& g, int which) {
+  fenceAcqRelSys();
+  for (uint32_t d = 0; d < g.worldSize; ++d) redAddRelaxedSys(flagPtr(peers[d], g, which, g.rank), 1);
+}
 __device__ void signalAllRanks(char* const* peers, const Geometry& g, int which) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    fenceAcqRelSys();
-    for (uint32_t d = 0; d < g.worldSize; ++d) redAddRelaxedSys(flagPtr(peers[d], g, which, g.rank), 1);
-  }
+  if (threadIdx.x == 0) signalRanks(peers, g, which);
 }
 
 // Dynamic schedules of the dispatch's expansions: work queues (DeviceState::queues), one counter per queue and
@@ -222,11 +224,35 @@ __device__ __forceinline__ void sentItem(const RowTables& rt, uint32_t W, uint32
   }
 }
 
-// Warp 0: the first row of every local expert from the experts' row totals: 0 in the batched layout (the expert stride
-// does the work), the prefix sum of the padded totals in the packed one. The caller synchronises afterwards.
-__device__ void expertRowBases(const int32_t* total, int32_t* rowBase, uint32_t L, bool packed, uint32_t padding) {
-  if (threadIdx.x >= 32) return;
-  const uint32_t lane = threadIdx.x;
+// Barriers of the threads [first, blockDim.x) of a block (first a multiple of 32): the block's barrier when first is
+// 0, else named barrier 1 over those threads only (the fused dispatch's own-token blocks in pull mode build their
+// row tables without warp 0, which waits for its pushes' fence meanwhile). groupAnd: the barrier and the AND of `v`.
+constexpr uint32_t kGroupBarrier = 1;
+constexpr uint32_t kHandoffBarrier = 2;  // warp 0 waits there for the others' row tables (arrive / sync)
+__device__ __forceinline__ bool groupAnd(uint32_t first, bool v) {
+  if (first == 0) return __syncthreads_and(v ? 1 : 0) != 0;
+  uint32_t r;
+  asm volatile("{ .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.and.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q; }"
+               : "=r"(r)
+               : "r"(v ? 1u : 0u), "n"(kGroupBarrier), "r"(blockDim.x - first)
+               : "memory");
+  return r != 0;
+}
+__device__ __forceinline__ void groupSync(uint32_t first) {
+  if (first == 0) {
+    __syncthreads();
+  } else {
+    asm volatile("bar.sync %0, %1;" ::"n"(kGroupBarrier), "r"(blockDim.x - first) : "memory");
+  }
+}
+
+// The first warp of the group [first, blockDim.x): the first row of every local expert from the experts' row totals:
+// 0 in the batched layout (the expert stride does the work), the prefix sum of the padded totals in the packed one.
+// The caller synchronises afterwards.
+__device__ void expertRowBases(const int32_t* total, int32_t* rowBase, uint32_t L, bool packed, uint32_t padding,
+                               uint32_t first = 0) {
+  if (threadIdx.x < first || threadIdx.x >= first + 32) return;
+  const uint32_t lane = threadIdx.x - first;
   int32_t carry = 0;
   for (uint32_t c = 0; c < L; c += 32) {
     const uint32_t le = c + lane;
@@ -247,26 +273,28 @@ __device__ void expertRowBases(const int32_t* total, int32_t* rowBase, uint32_t 
 // payload). Afterwards (combine) they are already there and the polls return at once.
 // `routeFlag` > 0 (combine after a line-mode dispatch): first wait until every rank's dispatch flag reaches it, the
 // senders' routing blocks having signalled after their entries (those are read untagged afterwards).
+// `first`: only the threads [first, blockDim.x) take part (groupAnd); rowTablesAt() gives the others the result.
 __device__ RowTables computeRows(char* local, const Geometry& g, int32_t* smem, bool packed, uint32_t padding,
-                                 uint32_t round, const DeviceState& st, uint64_t routeFlag = 0) {
+                                 uint32_t round, const DeviceState& st, uint64_t routeFlag = 0, uint32_t first = 0) {
   const uint32_t W = g.worldSize, L = g.numLocalExperts;
+  const uint32_t tid = threadIdx.x - first, threads = blockDim.x - first;
   RowTables rt{smem, smem + W * L, smem + (W + 1) * L, smem + (W + 2) * L, true};
   const uint64_t* counts = reinterpret_cast<const uint64_t*>(local + g.offCounts);
   const uint64_t* numTokens = reinterpret_cast<const uint64_t*>(local + g.offNumTokens);
   const int32_t rank = static_cast<int32_t>(g.rank);
   bool ok = true;
-  if (threadIdx.x < W) {
+  if (tid < W) {
     uint32_t n = 0;
-    ok = waitTagged(numTokens + threadIdx.x, round, st, kPhaseDispatchRecv, rank, static_cast<int32_t>(threadIdx.x), n);
-    rt.tokens[threadIdx.x] = static_cast<int32_t>(n);
+    ok = waitTagged(numTokens + tid, round, st, kPhaseDispatchRecv, rank, static_cast<int32_t>(tid), n);
+    rt.tokens[tid] = static_cast<int32_t>(n);
   }
   // Another warp, so the two polls overlap; the barrier below orders the acquire before every entry read.
-  if (routeFlag > 0 && threadIdx.x >= 32 && threadIdx.x < 32 + W) {
-    const uint32_t s = threadIdx.x - 32;
+  if (routeFlag > 0 && tid >= 32 && tid < 32 + W) {
+    const uint32_t s = tid - 32;
     ok = waitFlag(flagPtr(local, g, kFlagDispatch, s), routeFlag, st, kPhaseDispatchRecv, rank, static_cast<int32_t>(s),
                   patienceFor(g, s));
   }
-  for (uint32_t le = threadIdx.x; le < L; le += blockDim.x) {
+  for (uint32_t le = tid; le < L; le += threads) {
     int32_t acc = 0;
     for (uint32_t s = 0; s < W && ok; ++s) {
       uint32_t c = 0;
@@ -276,11 +304,17 @@ __device__ RowTables computeRows(char* local, const Geometry& g, int32_t* smem, 
     }
     rt.total[le] = acc;
   }
-  rt.ok = __syncthreads_and(ok ? 1 : 0) != 0;
+  rt.ok = groupAnd(first, ok);
   if (!rt.ok) return rt;
-  expertRowBases(rt.total, rt.rowBase, L, packed, padding);
-  __syncthreads();
+  expertRowBases(rt.total, rt.rowBase, L, packed, padding, first);
+  groupSync(first);
   return rt;
+}
+
+// The row tables in smem for a thread that did not take part in computeRows (its group's result in `ok`).
+__device__ __forceinline__ RowTables rowTablesAt(const Geometry& g, int32_t* smem, bool ok) {
+  const uint32_t W = g.worldSize, L = g.numLocalExperts;
+  return RowTables{smem, smem + W * L, smem + (W + 1) * L, smem + (W + 2) * L, ok};
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -303,6 +337,10 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
   uint32_t* bits = reinterpret_cast<uint32_t*>(smem);  // [kWarps][E]: lanes of the warp's 32 tokens per expert
   int32_t* base = smem + kWarps * E;                   // [kWarps][E]: tokens before this warp's 32
   int32_t* running = smem + 2 * kWarps * E;            // [E]
+  // The token count first: the receivers' row tables need it with the counts.
+  if (chunk == 0 && threadIdx.x < W) {
+    stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[threadIdx.x] + g.offNumTokens) + g.rank, tagWord(round, n));
+  }
   for (uint32_t i = threadIdx.x; i < kWarps * E; i += blockDim.x) bits[i] = 0;
   for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) running[e] = 0;
   __syncthreads();
@@ -390,6 +428,11 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
     for (uint32_t i = threadIdx.x; i < tokenWarps * E; i += blockDim.x) bits[i] = 0;
     __syncthreads();
   };
+  // This rank's count of expert e's tokens, into e's rank (tagged: the receivers poll it).
+  auto emitCount = [&](uint32_t e, int32_t count) {
+    stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[e / L] + g.offCounts) + g.rank * L + e % L,
+                 tagWord(round, static_cast<uint32_t>(count)));
+  };
   // After counting its chunk: publish the histogram, wait for the other routing blocks, start the positions at the
   // earlier chunks' total.
   auto publishChunk = [&]() -> bool {
@@ -406,6 +449,10 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
     for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
       int32_t before = 0;
       for (uint32_t c = 0; c < chunk; ++c) before += __ldcg(a.st.routeScratch + c * E + e);
+      // The last chunk's block knows every chunk's histogram now: the receivers' counts go out before the positions
+      // (prefill: ~10 us earlier), so the receivers' row tables, and with them the expansion of each rank's own
+      // tokens, do not wait for the whole routing pass.
+      if (chunk == R - 1) emitCount(e, before + running[e]);
       running[e] = before;
     }
     __syncthreads();
@@ -418,15 +465,10 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
     if (phase == 1 && R > 1 && !publishChunk()) return false;
     for (uint32_t jb = lo; jb < hi; jb += kThreads) pass(jb, phase == 1);
   }
-  // After the last chunk's positions its running counts are this rank's totals per expert: the receivers' counts.
-  if (chunk == R - 1) {
-    for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
-      stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[e / L] + g.offCounts) + g.rank * L + e % L,
-                   tagWord(round, static_cast<uint32_t>(running[e])));
-    }
-  }
-  if (chunk == 0 && threadIdx.x < W) {
-    stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[threadIdx.x] + g.offNumTokens) + g.rank, tagWord(round, n));
+  // One routing block: after its positions its running counts are this rank's totals per expert, the receivers'
+  // counts (with several, the last one sent them after the counting phase).
+  if (R == 1) {
+    for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) emitCount(e, running[e]);
   }
   return true;
 }
@@ -1152,14 +1194,34 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
       dispatchPayload<kPushedSlots>(a, n, spreadWarp(blockIdx.x - firstLocal, B - firstLocal),
                                     (B - firstLocal) * kWarps, peerRanks);
     }
-    signalAllRanks(a.peers, g, kFlagDispatch);
+    // Pull mode: warp 0 alone signals. Its fence returns once the pushed share has landed (prefill: ~20 us), and the
+    // other warps meanwhile build the row tables and start on this rank's own tokens (warp 0 joins them after).
+    const uint32_t first = g.pull ? 32u : 0u;
+    if (first == 0) {
+      signalAllRanks(a.peers, g, kFlagDispatch);
+    } else {
+      __syncthreads();  // every warp's pushes before warp 0's fence (cumulative)
+      if (threadIdx.x == 0) signalRanks(a.peers, g, kFlagDispatch);
+    }
     const uint32_t ownWarp = spreadWarp(blockIdx.x - firstLocal, B - firstLocal), ownWarps = (B - firstLocal) * kWarps;
     // Push mode (decode-sized): the first unit's entries while the other ranks' counts are not in.
     bool havePre = false;
     RouteEntry pre{-1, 0};
     if (!g.pull) pre = firstOwnEntries(a, n, ownWarp, round, havePre);
     // Every rank's counts for this rank's experts, polled as they land (tagged words): no route flag.
-    const RowTables rt = computeRows(local, g, smem, a.packed != 0, a.padding, round, a.st);
+    RowTables rt;
+    if (threadIdx.x >= first) {
+      rt = computeRows(local, g, smem, a.packed != 0, a.padding, round, a.st, 0, first);
+      if (first > 0) {
+        int32_t* okWord = smem + rowTableWords(g);
+        if (threadIdx.x == first) *okWord = rt.ok ? 1 : 0;
+        groupSync(first);  // the word before the hand-off
+        asm volatile("bar.arrive %0, %1;" ::"n"(kHandoffBarrier), "r"(blockDim.x) : "memory");
+      }
+    } else {
+      asm volatile("bar.sync %0, %1;" ::"n"(kHandoffBarrier), "r"(blockDim.x) : "memory");
+      rt = rowTablesAt(g, smem, smem[rowTableWords(g)] != 0);
+    }
     if (!rt.ok) return;
     tracePoint(a.st, kTrRoutesIn);
     if (blockIdx.x == firstLocal) {

@@ -242,11 +242,15 @@ inline uint64_t lineTableBytes(const Geometry& g) {
   return (W + 1 + 2 * L + 2 * ceilDiv(W * Ts, 32) * L + W * Ts * g.topK) * 4;
 }
 
+/// The receivers' row tables (RowTables: sender bases [W][L], totals and first rows [2][L], token counts [W]), i32
+/// words.
+EPCOMM_HD uint32_t rowTableWords(const Geometry& g) { return (g.worldSize + 2) * g.numLocalExperts + g.worldSize; }
+
 /// Dynamic shared memory of every nvlink kernel: the sender's routing scan (bits and bases per warp per expert,
 /// running counts), the receiver's row bases or (line mode) its line tables, whichever is largest.
 inline uint32_t sharedBytes(const Geometry& g) {
   const uint64_t scan = (2ull * kWarps + 1) * g.numExperts * 4;
-  const uint64_t rows = ((static_cast<uint64_t>(g.worldSize) + 2) * g.numLocalExperts + g.worldSize) * 4;
+  const uint64_t rows = (rowTableWords(g) + 1) * 4;  // + the hand-off word of the fused dispatch's own blocks
   uint64_t most = scan > rows ? scan : rows;
   if (g.lines && lineTableBytes(g) > most) most = lineTableBytes(g);
   return static_cast<uint32_t>(most);
