@@ -81,6 +81,16 @@ __device__ void recordError(const DeviceState& st, int32_t phase, int32_t rank, 
 // loads) once its tag is `want`. `v`: the last value seen. Every 256 polls it checks whether another wait failed
 // (then false) and whether `patience` x EPCOMM_TIMEOUT_MS passed: then it records (phase, peer, the value or tag
 // seen, want) and returns false. Never traps.
+// The check every 256 polls of a spin that began at `start`: true when it is to stop, because another wait failed
+// (the kernel is aborting) or because `patience` x EPCOMM_TIMEOUT_MS passed; then `expired` is true and the caller
+// records its error, which names what did not arrive. Every spin of the nvlink kernels goes through it.
+__device__ __forceinline__ bool spinStops(const DeviceState& st, uint64_t start, uint32_t patience, bool& expired) {
+  expired = false;
+  if (aborted(st)) return true;
+  expired = globalTimerNs() - start > patience * st.timeoutNs;
+  return expired;
+}
+
 template <bool kTagged>
 __device__ __forceinline__ bool spinOn(const uint64_t* word, uint64_t want, const DeviceState& st, int32_t phase,
                                        int32_t rank, int32_t peer, uint32_t patience, uint64_t& v) {
@@ -92,12 +102,12 @@ __device__ __forceinline__ bool spinOn(const uint64_t* word, uint64_t want, cons
   for (uint32_t i = 1;; ++i) {
     v = load();
     if (ready(v)) return true;
-    if ((i & 255) == 0) {
-      if (aborted(st)) return false;
-      if (globalTimerNs() - start > patience * st.timeoutNs) {
+    bool expired;
+    if ((i & 255) == 0 && spinStops(st, start, patience, expired)) {
+      if (expired) {
         recordError(st, phase, rank, peer, static_cast<int64_t>(kTagged ? v >> 32 : v), static_cast<int64_t>(want));
-        return false;
       }
+      return false;
     }
   }
 }
@@ -473,28 +483,27 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
   return true;
 }
 
-// 16-byte vectors per lane in one work unit of dispatchPayload and expandTokens: kUnroll (4 KiB per warp), or half of
-// that when a full batch at kUnroll has fewer units than the kernel has warps (decode: 7 KB tokens were 2 units, so
-// 128 tokens kept only half the own-token blocks' warps busy, each storing ~4 rows of 4 KiB).
-// Line mode: always kLineUnroll (a warp instruction moves 4 lines, so a unit is kLinesPerUnit = 16 lines; fewer
-// registers than 8 vectors per lane, which the fused kernel, at its register limit, cannot spare).
+// Line mode: 16-byte vectors per lane in one work unit of dispatchLines and expandLines (a warp instruction moves 4
+// lines, so a unit is kLinesPerUnit = 16 lines; fewer registers than 8 vectors per lane, which the fused kernel, at
+// its register limit, cannot spare).
 constexpr int kLineUnroll = kLinesPerUnit / 4;
+
+// Plain slots: 16-byte vectors per lane in one work unit of dispatchPayload and expandTokens: kUnroll (4 KiB per
+// warp), or half of that when a full batch at kUnroll has fewer units than the kernel has warps (decode: 7 KB tokens
+// were 2 units, so 128 tokens kept only half the own-token blocks' warps busy, each storing ~4 rows of 4 KiB).
 __device__ __forceinline__ uint32_t unitVectors(const Geometry& g) {
-  if (g.lines) return kLineUnroll;
   const uint64_t full = ceilDiv(g.hiddenBytes / 16 == 0 ? 1 : g.hiddenBytes / 16, 32 * kUnroll);
   return static_cast<uint64_t>(g.slotsPerSender) * g.worldSize * full <= static_cast<uint64_t>(g.blocks) * kWarps
              ? kUnroll / 2
              : kUnroll;
 }
 
-// Work units per token of a copy from x (pieces of 32 lanes x unitVectors(g) 16-byte vectors).
-__device__ __forceinline__ uint32_t vectorPieces(const Geometry& g) {
+// Plain slots: work units per token of dispatchPayload and expandTokens (pieces of 32 lanes x unitVectors(g) 16-byte
+// vectors; line mode's are linePieces()).
+__device__ __forceinline__ uint32_t tokenPieces(const Geometry& g) {
   const uint32_t units = g.hiddenBytes / 16;
   return units == 0 ? 1 : static_cast<uint32_t>(ceilDiv(units, 32 * unitVectors(g)));
 }
-
-// Work units per token of dispatchPayload and expandTokens (line mode: dispatchLines and expandLines).
-__device__ __forceinline__ uint32_t tokenPieces(const Geometry& g) { return g.lines ? linePieces(g) : vectorPieces(g); }
 
 // Send half, payload. Work unit = (token, piece of 32 * unitVectors(g) vectors), so a decode-sized batch spreads over
 // many warps; each unit issues all its loads (expert indices, payload vectors, scales) before the first store, so a
@@ -589,7 +598,7 @@ __device__ __forceinline__ uint32_t streamChunks(const Geometry& g) {
   return static_cast<uint32_t>(ceilDiv(g.hiddenBytes + g.scaleBytes, 16));
 }
 
-// Line of instruction i of unit `piece` that this lane's group of 8 moves (vpl = unitVectors(g)).
+// Line of instruction i of unit `piece` that this lane's group of 8 moves (vpl = kLineUnroll).
 __device__ __forceinline__ uint32_t lineOf(uint32_t piece, uint32_t vpl, uint32_t i, uint32_t lane) {
   return (piece * vpl + i) * 4 + lane / 8;
 }
@@ -657,8 +666,9 @@ __device__ bool waitGate(const DispatchKernelArgs& a, uint32_t round, uint32_t s
     if (static_cast<uint32_t>(ldAcquireGpu(gate)) < senders) {
       const uint64_t start = globalTimerNs();
       for (uint32_t i = 1; static_cast<uint32_t>(ldAcquireGpu(gate)) < senders; ++i) {
-        if ((i & 255) == 0 && (aborted(a.st) || globalTimerNs() - start > 2 * a.st.timeoutNs)) {
-          if (!aborted(a.st)) {
+        bool expired;
+        if ((i & 255) == 0 && spinStops(a.st, start, 2, expired)) {
+          if (expired) {
             recordError(a.st, kPhaseRouteSync, static_cast<int32_t>(a.g.rank), static_cast<int32_t>(a.g.rank),
                         ldAcquireGpu(gate), senders);
           }
@@ -869,11 +879,11 @@ __device__ __forceinline__ bool pollLines(const DispatchKernelArgs& a, const cha
       // Lane 0 decides for the warp, so the warp never stops without the error recorded.
       bool stop = false;
       if (lane == 0) {
-        stop = aborted(a.st);
-        if (!stop && globalTimerNs() - start > a.st.timeoutNs) {
+        bool expired;
+        stop = spinStops(a.st, start, 1, expired);
+        if (expired) {
           recordError(a.st, kPhaseDispatchRecv, static_cast<int32_t>(a.g.rank), static_cast<int32_t>(s), -1,
                       static_cast<int64_t>(round));
-          stop = true;
         }
       }
       if (__shfl_sync(0xffffffffu, stop, 0)) return false;
