@@ -77,10 +77,6 @@ __device__ void recordError(const DeviceState& st, int32_t phase, int32_t rank, 
   __threadfence_system();
 }
 
-// Spins on *word until it is ready: a flag (acquire loads) once it reached `want`, a tagged word (tagWord, relaxed
-// loads) once its tag is `want`. `v`: the last value seen. Every 256 polls it checks whether another wait failed
-// (then false) and whether `patience` x EPCOMM_TIMEOUT_MS passed: then it records (phase, peer, the value or tag
-// seen, want) and returns false. Never traps.
 // The check every 256 polls of a spin that began at `start`: true when it is to stop, because another wait failed
 // (the kernel is aborting) or because `patience` x EPCOMM_TIMEOUT_MS passed; then `expired` is true and the caller
 // records its error, which names what did not arrive. Every spin of the nvlink kernels goes through it.
@@ -91,6 +87,10 @@ __device__ __forceinline__ bool spinStops(const DeviceState& st, uint64_t start,
   return expired;
 }
 
+// Spins on *word until it is ready: a flag (acquire loads) once it reached `want`, a tagged word (tagWord, relaxed
+// loads) once its tag is `want`. `v`: the last value seen. Every 256 polls it checks whether another wait failed
+// (then false) and whether `patience` x EPCOMM_TIMEOUT_MS passed: then it records (phase, peer, the value or tag
+// seen, want) and returns false. Never traps.
 template <bool kTagged>
 __device__ __forceinline__ bool spinOn(const uint64_t* word, uint64_t want, const DeviceState& st, int32_t phase,
                                        int32_t rank, int32_t peer, uint32_t patience, uint64_t& v) {
@@ -158,14 +158,14 @@ __device__ bool waitAllRanks(char* local, const Geometry& g, int which, uint64_t
   return waitRanks(local, g, which, allRanksMask(g), expected, st, phase);
 }
 
-// Thread 0 of a block: after the block's stores, signals flag `which` of every rank (one increment per block). One
-// system fence, then relaxed adds: the fence + strong write is the release pattern (red.release would add a fence
-// per add).
-// signalRanks: the calling thread's part alone (the caller orders the block's stores before it).
+// One thread: signals flag `which` of every rank (one increment per block) after the block's stores, which the caller
+// has ordered before it (a block barrier). One system fence, then relaxed adds: the fence + strong write is the
+// release pattern (red.release would add a fence per add).
 __device__ void signalRanks(char* const* peers, const Geometry& g, int which) {
   fenceAcqRelSys();
   for (uint32_t d = 0; d < g.worldSize; ++d) redAddRelaxedSys(flagPtr(peers[d], g, which, g.rank), 1);
 }
+// Block-wide: the barrier after the block's stores, then thread 0 signals (signalRanks).
 __device__ void signalAllRanks(char* const* peers, const Geometry& g, int which) {
   __syncthreads();
   if (threadIdx.x == 0) signalRanks(peers, g, which);
@@ -278,6 +278,13 @@ __device__ void expertRowBases(const int32_t* total, int32_t* rowBase, uint32_t 
   }
 }
 
+// The row tables' places in smem (computeRows fills them; a thread that did not take part gets them here with its
+// group's result in `ok`).
+__device__ __forceinline__ RowTables rowTablesAt(const Geometry& g, int32_t* smem, bool ok) {
+  const uint32_t W = g.worldSize, L = g.numLocalExperts;
+  return RowTables{smem, smem + W * L, smem + (W + 1) * L, smem + (W + 2) * L, ok};
+}
+
 // Block-wide. The counts and token counts are tagged words (tagWord) of the senders' dispatch `round`: every
 // thread polls its share, so the tables are ready as soon as the words land (no route flag, no fence behind the
 // payload). Afterwards (combine) they are already there and the polls return at once.
@@ -288,7 +295,7 @@ __device__ RowTables computeRows(char* local, const Geometry& g, int32_t* smem, 
                                  uint32_t round, const DeviceState& st, uint64_t routeFlag = 0, uint32_t first = 0) {
   const uint32_t W = g.worldSize, L = g.numLocalExperts;
   const uint32_t tid = threadIdx.x - first, threads = blockDim.x - first;
-  RowTables rt{smem, smem + W * L, smem + (W + 1) * L, smem + (W + 2) * L, true};
+  RowTables rt = rowTablesAt(g, smem, true);
   const uint64_t* counts = reinterpret_cast<const uint64_t*>(local + g.offCounts);
   const uint64_t* numTokens = reinterpret_cast<const uint64_t*>(local + g.offNumTokens);
   const int32_t rank = static_cast<int32_t>(g.rank);
@@ -319,12 +326,6 @@ __device__ RowTables computeRows(char* local, const Geometry& g, int32_t* smem, 
   expertRowBases(rt.total, rt.rowBase, L, packed, padding, first);
   groupSync(first);
   return rt;
-}
-
-// The row tables in smem for a thread that did not take part in computeRows (its group's result in `ok`).
-__device__ __forceinline__ RowTables rowTablesAt(const Geometry& g, int32_t* smem, bool ok) {
-  const uint32_t W = g.worldSize, L = g.numLocalExperts;
-  return RowTables{smem, smem + W * L, smem + (W + 1) * L, smem + (W + 2) * L, ok};
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -681,16 +682,13 @@ __device__ bool waitGate(const DispatchKernelArgs& a, uint32_t round, uint32_t s
   return __shfl_sync(0xffffffffu, ok ? 1 : 0, 0) != 0;
 }
 
-// Line mode: this rank's token count and every token's K expert indices, as tagged words of `round`, into every rank
-// (its own too), then the warp opens the gate. The fused kernel's own-token blocks call it first thing; the split
-// send half's payload warps before their payload.
+// Line mode: every token's K expert indices, as tagged words of `round`, into every rank (its own too), then the warp
+// opens the gate (the token count goes out first thing in the routing pass). The fused kernel's own-token blocks call
+// it first thing; the split send half's payload warps before their payload.
 __device__ void sendLineIndices(const DispatchKernelArgs& a, uint32_t n, uint32_t warpId, uint32_t numWarps,
                                 uint32_t round) {
   const Geometry& g = a.g;
   const uint32_t lane = threadIdx.x % 32, K = g.topK, W = g.worldSize, D = g.dpSize, Ts = g.slotsPerSender;
-  if (warpId == 0 && lane < W) {
-    stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[lane] + g.offNumTokens) + g.rank, tagWord(round, n));
-  }
   for (uint32_t i = warpId * 32 + lane; i < n * K; i += numWarps * 32) {
     const uint32_t j = i / K, k = i % K;
     const int64_t e = loadIndex(a.indices, a.indexKind, a.indexStrides, j * D + g.rank % D, k);
