@@ -90,6 +90,7 @@ struct Options {
   std::string barrier = "shm";
   bool floor = false;      // --floor: also time an empty launch and a one-flag exchange (the method's floor)
   uint32_t maxTokens = 0;  // --max-tokens: the object's capacity (maxNumTokens) when above T, as engines size it
+  Layout layout = Layout::kBatched;  // --layout: of outExpertX / expertY (the standard configurations' default)
   // Given on the command line (else the host backend substitutes its own defaults, see applyHostDefaults).
   bool configsSet = false, tokensSet = false, itersSet = false, warmupSet = false;
 };
@@ -154,11 +155,18 @@ Options parse(int argc, char** argv) {
       o.floor = true;
     } else if (a == "--max-tokens") {
       o.maxTokens = static_cast<uint32_t>(std::stoul(next()));
+    } else if (a == "--layout") {
+      const std::string l = next();
+      EPCOMM_CHECK(l == "batched" || l == "packed", kInvalidArgument,
+                   "--layout must be batched or packed, got '" << l << "'");
+      o.layout = l == "batched" ? Layout::kBatched : Layout::kPacked;
     } else if (a == "-h" || a == "--help") {
       std::cout << "epcomm-bench [--backend nvlink|host|auto] [--world W] [--config decode,prefill,small,qwen3]\n"
                    "             [--tokens 1,8,32,128,512,4096] [--iters 200] [--warmup 20] [--dp 1]\n"
                    "             [--json out.jsonl] [--rev GIT_REV] [--barrier shm|tcp] [--floor] [--max-tokens N]\n"
+                   "             [--layout batched|packed]\n"
                    "  --max-tokens: create each object for max(T, N) tokens (an engine's capacity) and send T\n"
+                   "  --layout: outExpertX / expertY as [L, rows per expert, ...] (default) or experts back to back\n"
                    "  --floor: also time, with the same method, an empty kernel and a one-flag exchange between\n"
                    "  ranks (half the SMs' blocks of 512 threads, as the library launches): the floor of the method;\n"
                    "  and one thread's 8 x 16-byte stores into the peer's and into the own memory (in-kernel time);\n"
@@ -537,6 +545,7 @@ class Bench {
     };
     Config c = standardConfig(name, world_, rank_, o_.dp);
     c.maxNumTokens = std::max(T, o_.maxTokens);
+    c.layout = o_.layout;
     if (hostMode_ && !hostFits(name, c)) return;
     std::unique_ptr<AllToAll> a2a;
     try {
@@ -873,10 +882,10 @@ class Bench {
   void printHeader() {
     const int blocks = env().nvlinkBlocks;
     std::printf(
-        "# epcomm-bench  backend=%s world=%d dp=%d iters=%d warmup=%d barrier=%s blocks=%s max-tokens=%s rev=%s "
-        "machine=%s\n",
+        "# epcomm-bench  backend=%s world=%d dp=%d iters=%d warmup=%d barrier=%s blocks=%s max-tokens=%s layout=%s "
+        "rev=%s machine=%s\n",
         o_.backend.c_str(), world_, o_.dp, o_.iters, o_.warmup, shm_ != nullptr ? o_.barrier.c_str() : "tcp",
-        blocks > 0 ? std::to_string(blocks).c_str() : "auto",
+        blocks > 0 ? std::to_string(blocks).c_str() : "auto", layoutName(o_.layout),
         o_.maxTokens > 0 ? std::to_string(o_.maxTokens).c_str() : "T", gitRev(o_).c_str(), machine_.c_str());
     std::printf(
         "# times in us (median, max over ranks); GB/s = cross-rank payload bytes per rank per direction / time\n");
@@ -913,9 +922,9 @@ class Bench {
     std::time_t now = std::time(nullptr);
     std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
     f << "{\"backend\":\"" << backend << "\",\"world\":" << world_ << ",\"dp\":" << c.dpSize << ",\"config\":\"" << name
-      << "\",\"tokens\":" << T << ",\"max_tokens\":" << c.maxNumTokens << ",\"graph\":" << (isGraph ? "true" : "false")
-      << ",\"dispatch_us\":" << jnum(m.dispatch) << ",\"combine_us\":" << jnum(m.combine)
-      << ",\"dispatch_send_us\":" << jnum(isGraph ? -1 : m.dSend)
+      << "\",\"layout\":\"" << layoutName(c.layout) << "\",\"tokens\":" << T << ",\"max_tokens\":" << c.maxNumTokens
+      << ",\"graph\":" << (isGraph ? "true" : "false") << ",\"dispatch_us\":" << jnum(m.dispatch)
+      << ",\"combine_us\":" << jnum(m.combine) << ",\"dispatch_send_us\":" << jnum(isGraph ? -1 : m.dSend)
       << ",\"dispatch_recv_us\":" << jnum(isGraph ? -1 : m.dRecv)
       << ",\"combine_send_us\":" << jnum(isGraph ? -1 : m.cSend)
       << ",\"combine_recv_us\":" << jnum(isGraph ? -1 : m.cRecv) << ",\"dispatch_device_us\":" << jnum(m.dDev)

@@ -1,0 +1,170 @@
+// expand-row-probe: how long does a decode-sized expansion's row writing take on one GPU, and does it depend on how
+// far apart the rows lie? The question behind the nvlink dispatch's slow expansions at decode (docs/nvlink.md,
+// thirteenth pass): a warp's unit of 2 KB, stored into ~4 expert rows, took 2-5 us in the traces even with every
+// byte local. In the batched layout ([L, R, H]) each expert's rows start ~1.8 MB apart, so one round touches ~L
+// different 2 MB pages; in the packed layout the same rows are ~7 MB back to back.
+//
+// One GPU. `blocks` blocks of 512 threads; warp w takes unit w (token w / pieces, piece w % pieces) of
+// `tokens` tokens, loads its 2 KB (4 x 16 bytes per lane) and stores them into each of the token's rows (K / 2 distinct
+// local experts out of L, drawn with a fixed seed; row positions in token order, as the dispatch assigns them).
+// Each launch is timed inside the kernel (%globaltimer: last block's end minus first block's start). Rows of four
+// modes, `samples` launches each: {batched, packed} x {TLB warm (the same launch just before), after a kernel that
+// touched one word in every 2 MB of an 8 GiB buffer}. Prints median and 90th percentile.
+//
+//   expand-row-probe [tokens (default 256)] [blocks (default 66)] [samples (default 50)]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+namespace {
+
+constexpr uint32_t kThreads = 512, kWarps = kThreads / 32;
+constexpr uint32_t kL = 128, kRowsPerExpert = 256, kRowBytes = 7168, kUnitBytes = 2048, kPerToken = 4;
+constexpr uint32_t kPieces = (kRowBytes + kUnitBytes - 1) / kUnitBytes;
+constexpr uint64_t kThrashBytes = 8ull << 30, kPage = 2ull << 20;
+
+__device__ __forceinline__ uint64_t globalTimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// rowOff[t * kPerToken + i]: byte offset of token t's i-th row in dst.
+__global__ void expand(const int4* src, char* dst, const int64_t* rowOff, uint32_t tokens, uint64_t* stamps) {
+  const uint64_t t0 = globalTimer();
+  const uint32_t lane = threadIdx.x % 32;
+  const uint32_t w = (threadIdx.x / 32) * gridDim.x + blockIdx.x;  // block-fastest, as the dispatch spreads units
+  for (uint32_t u = w; u < tokens * kPieces; u += gridDim.x * kWarps) {
+    const uint32_t t = u / kPieces, p = u % kPieces;
+    int4 v[4];
+    const uint32_t vecs = min(kUnitBytes, kRowBytes - p * kUnitBytes) / 16;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t c = lane + 32 * i;
+      if (c < vecs) v[i] = src[(static_cast<uint64_t>(t) * kRowBytes + p * kUnitBytes) / 16 + c];
+    }
+    const int64_t off = lane < kPerToken ? rowOff[t * kPerToken + lane] : 0;
+    for (uint32_t r = 0; r < kPerToken; ++r) {
+      int4* row = reinterpret_cast<int4*>(dst + __shfl_sync(0xffffffffu, off, r) + p * kUnitBytes);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t c = lane + 32 * i;
+        if (c < vecs) row[c] = v[i];
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    stamps[2 * blockIdx.x] = t0;
+    stamps[2 * blockIdx.x + 1] = globalTimer();
+  }
+}
+
+__global__ void thrash(uint32_t* buf, uint64_t words, uint64_t strideWords) {
+  for (uint64_t i = (blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x) * strideWords; i < words;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x * strideWords) {
+    buf[i] += 1;
+  }
+}
+
+#define CHECK(x)                                                                        \
+  do {                                                                                  \
+    cudaError_t e_ = (x);                                                               \
+    if (e_ != cudaSuccess) {                                                            \
+      std::fprintf(stderr, "%s: %s (line %d)\n", #x, cudaGetErrorString(e_), __LINE__); \
+      return 1;                                                                         \
+    }                                                                                   \
+  } while (0)
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const uint32_t tokens = argc > 1 ? static_cast<uint32_t>(std::atoi(argv[1])) : 256;
+  const uint32_t blocks = argc > 2 ? static_cast<uint32_t>(std::atoi(argv[2])) : 66;
+  const int samples = argc > 3 ? std::atoi(argv[3]) : 50;
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n < 1) {
+    std::printf("expand-row-probe: no GPU, skipped\n");
+    return 77;
+  }
+  if (tokens == 0 || tokens > kRowsPerExpert || blocks == 0 || samples <= 0) {
+    std::fprintf(stderr, "expand-row-probe: tokens in [1, %u], blocks and samples > 0\n", kRowsPerExpert);
+    return 2;
+  }
+  // Each token's kPerToken distinct experts; rows per expert in token order (the dispatch's stable order).
+  std::mt19937 rng(12345);
+  std::vector<uint32_t> experts(static_cast<size_t>(tokens) * kPerToken), slot(experts.size());
+  std::vector<uint32_t> count(kL, 0);
+  for (uint32_t t = 0; t < tokens; ++t) {
+    std::vector<uint32_t> pick;
+    while (pick.size() < kPerToken) {
+      const uint32_t e = rng() % kL;
+      if (std::find(pick.begin(), pick.end(), e) == pick.end()) pick.push_back(e);
+    }
+    for (uint32_t i = 0; i < kPerToken; ++i) {
+      experts[t * kPerToken + i] = pick[i];
+      slot[t * kPerToken + i] = count[pick[i]]++;
+    }
+  }
+  std::vector<uint64_t> first(kL + 1, 0);
+  for (uint32_t e = 0; e < kL; ++e) first[e + 1] = first[e] + count[e];
+  std::vector<int64_t> batched(experts.size()), packed(experts.size());
+  for (size_t i = 0; i < experts.size(); ++i) {
+    batched[i] = (static_cast<int64_t>(experts[i]) * kRowsPerExpert + slot[i]) * kRowBytes;
+    packed[i] = static_cast<int64_t>(first[experts[i]] + slot[i]) * kRowBytes;
+  }
+  CHECK(cudaSetDevice(0));
+  int4* src = nullptr;
+  char* dst = nullptr;
+  int64_t *offB = nullptr, *offP = nullptr;
+  uint64_t* stamps = nullptr;
+  uint32_t* junk = nullptr;
+  CHECK(cudaMalloc(&src, static_cast<size_t>(tokens) * kRowBytes));
+  CHECK(cudaMemset(src, 1, static_cast<size_t>(tokens) * kRowBytes));
+  CHECK(cudaMalloc(&dst, static_cast<size_t>(kL) * kRowsPerExpert * kRowBytes));
+  CHECK(cudaMemset(dst, 0, static_cast<size_t>(kL) * kRowsPerExpert * kRowBytes));
+  CHECK(cudaMalloc(&offB, batched.size() * 8));
+  CHECK(cudaMalloc(&offP, packed.size() * 8));
+  CHECK(cudaMemcpy(offB, batched.data(), batched.size() * 8, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(offP, packed.data(), packed.size() * 8, cudaMemcpyHostToDevice));
+  CHECK(cudaMalloc(&stamps, 2 * blocks * sizeof(uint64_t)));
+  CHECK(cudaMalloc(&junk, kThrashBytes));
+  CHECK(cudaMemset(junk, 0, kThrashBytes));
+  std::vector<uint64_t> host(2 * blocks);
+  std::printf("expand-row-probe: %u tokens x %u rows of %u B (%.1f MB of rows), %u blocks x %u threads, %d samples\n",
+              tokens, kPerToken, kRowBytes, tokens * kPerToken * kRowBytes / 1e6, blocks, kThreads, samples);
+  const char* names[2] = {"batched", "packed"};
+  const int64_t* offs[2] = {offB, offP};
+  for (int thrashFirst = 0; thrashFirst < 2; ++thrashFirst) {
+    for (int layout = 0; layout < 2; ++layout) {
+      std::vector<double> us;
+      for (int s = -5; s < samples; ++s) {
+        if (thrashFirst) {
+          thrash<<<264, 256>>>(junk, kThrashBytes / 4, kPage / 4);
+        } else {
+          expand<<<blocks, kThreads>>>(src, dst, offs[layout], tokens, stamps);
+        }
+        CHECK(cudaDeviceSynchronize());
+        expand<<<blocks, kThreads>>>(src, dst, offs[layout], tokens, stamps);
+        CHECK(cudaDeviceSynchronize());
+        CHECK(cudaMemcpy(host.data(), stamps, host.size() * 8, cudaMemcpyDeviceToHost));
+        uint64_t lo = ~0ull, hi = 0;
+        for (uint32_t b = 0; b < blocks; ++b) {
+          lo = std::min(lo, host[2 * b]);
+          hi = std::max(hi, host[2 * b + 1]);
+        }
+        if (s >= 0) us.push_back((hi - lo) / 1e3);
+      }
+      std::sort(us.begin(), us.end());
+      std::printf("%-8s %-22s median %6.2f us  p90 %6.2f us\n", names[layout],
+                  thrashFirst ? "after an 8 GiB touch" : "warm (same launch before)", us[us.size() / 2],
+                  us[us.size() * 9 / 10]);
+    }
+  }
+  return 0;
+}
