@@ -141,6 +141,8 @@ class NvlinkAllToAll final : public AllToAll {
     claimed_ = reinterpret_cast<int32_t*>(reinterpret_cast<char*>(seq_) + 4 * geo_.blocks * sizeof(uint32_t));
     EPCOMM_CHECK_CUDA(cudaMalloc(&route_, nvlink::routeScratchBytes(geo_)));
     EPCOMM_CHECK_CUDA(cudaMemset(route_, 0, nvlink::routeScratchBytes(geo_)));
+    EPCOMM_CHECK_CUDA(cudaMalloc(&rowSlots_, nvlink::rowSlotBytes(geo_)));
+    EPCOMM_CHECK_CUDA(cudaMemset(rowSlots_, 0xff, nvlink::rowSlotBytes(geo_)));
     EPCOMM_CHECK_CUDA(
         cudaHostAlloc(reinterpret_cast<void**>(&hostError_), sizeof(nvlink::ErrorRecord), cudaHostAllocMapped));
     std::memset(hostError_, 0, sizeof(nvlink::ErrorRecord));
@@ -219,6 +221,7 @@ class NvlinkAllToAll final : public AllToAll {
     if (region_ != nullptr) cudaFree(region_);
     if (seq_ != nullptr) cudaFree(seq_);
     if (route_ != nullptr) cudaFree(route_);
+    if (rowSlots_ != nullptr) cudaFree(rowSlots_);
     if (hostError_ != nullptr) cudaFreeHost(hostError_);
   }
 
@@ -335,7 +338,7 @@ class NvlinkAllToAll final : public AllToAll {
   const char* backendName() const override { return "nvlink"; }
   uint64_t bufferBytes() const override {
     return geo_.totalBytes + nvlink::roundCounterBytes(geo_) + nvlink::routeScratchBytes(geo_) +
-           sizeof(nvlink::ErrorRecord);
+           nvlink::rowSlotBytes(geo_) + sizeof(nvlink::ErrorRecord);
   }
 
  private:
@@ -347,6 +350,7 @@ class NvlinkAllToAll final : public AllToAll {
     st.routeArrived = static_cast<uint64_t*>(route_);
     st.routeScratch = reinterpret_cast<int32_t*>(static_cast<char*>(route_) + 256);
     st.queues = reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(claimed_) + nvlink::kQueueOffset);
+    st.rowSlots = static_cast<uint64_t*>(rowSlots_);
     st.hostError = hostErrorDev_;
     st.timeoutNs = static_cast<uint64_t>(env().timeoutMs) * 1000000ull;
     st.trace = nullptr;
@@ -391,6 +395,7 @@ class NvlinkAllToAll final : public AllToAll {
   void* region_ = nullptr;
   uint32_t* seq_ = nullptr;
   void* route_ = nullptr;
+  void* rowSlots_ = nullptr;  // DeviceState::rowSlots
   int32_t* claimed_ = nullptr;
   nvlink::ErrorRecord* hostError_ = nullptr;
   nvlink::ErrorRecord* hostErrorDev_ = nullptr;
@@ -453,6 +458,8 @@ std::vector<PlannedBuffer> planNvlink(const Config& config) {
   add("round counters", "device", nvlink::roundCounterBytes(g), "u32 [4][blocks=" + std::to_string(g.blocks) + "]");
   add("routing histograms", "device", nvlink::routeScratchBytes(g),
       "i32 [routing blocks=" + std::to_string(g.routeBlocks) + "][E] + arrival counter");
+  add("dispatch rows for the combine", "device", nvlink::rowSlotBytes(g),
+      "u64 [W][Ts][K]: each received routing entry's expert and row");
   add("error record", "host pinned (mapped)", sizeof(nvlink::ErrorRecord), "written by kernels, read by the host");
   return plan;
 }

@@ -291,26 +291,37 @@ __device__ __forceinline__ RowTables rowTablesAt(const Geometry& g, int32_t* sme
 // `routeFlag` > 0 (combine after a line-mode dispatch): first wait until every rank's dispatch flag reaches it, the
 // senders' routing blocks having signalled after their entries (those are read untagged afterwards).
 // `first`: only the threads [first, blockDim.x) take part (groupAnd); rowTablesAt() gives the others the result.
+// Thread `tid` of a group: tid < W polls sender tid's token count of `round` into rt.tokens; with `routeFlag` > 0
+// (combine after a line-mode dispatch) threads 32 .. 32 + W wait until every rank's dispatch flag reaches it (the
+// caller's barrier orders that acquire before what follows). Returns this thread's success.
+__device__ bool pollSenders(char* local, const Geometry& g, const RowTables& rt, uint32_t round, const DeviceState& st,
+                            uint64_t routeFlag, uint32_t tid) {
+  const uint32_t W = g.worldSize;
+  const int32_t rank = static_cast<int32_t>(g.rank);
+  bool ok = true;
+  if (tid < W) {
+    uint32_t n = 0;
+    ok = waitTagged(reinterpret_cast<const uint64_t*>(local + g.offNumTokens) + tid, round, st, kPhaseDispatchRecv,
+                    rank, static_cast<int32_t>(tid), n);
+    rt.tokens[tid] = static_cast<int32_t>(n);
+  }
+  // Another warp, so the two polls overlap.
+  if (routeFlag > 0 && tid >= 32 && tid < 32 + W) {
+    const uint32_t s = tid - 32;
+    ok = waitFlag(flagPtr(local, g, kFlagDispatch, s), routeFlag, st, kPhaseDispatchRecv, rank, static_cast<int32_t>(s),
+                  patienceFor(g, s));
+  }
+  return ok;
+}
+
 __device__ RowTables computeRows(char* local, const Geometry& g, int32_t* smem, bool packed, uint32_t padding,
                                  uint32_t round, const DeviceState& st, uint64_t routeFlag = 0, uint32_t first = 0) {
   const uint32_t W = g.worldSize, L = g.numLocalExperts;
   const uint32_t tid = threadIdx.x - first, threads = blockDim.x - first;
   RowTables rt = rowTablesAt(g, smem, true);
   const uint64_t* counts = reinterpret_cast<const uint64_t*>(local + g.offCounts);
-  const uint64_t* numTokens = reinterpret_cast<const uint64_t*>(local + g.offNumTokens);
   const int32_t rank = static_cast<int32_t>(g.rank);
-  bool ok = true;
-  if (tid < W) {
-    uint32_t n = 0;
-    ok = waitTagged(numTokens + tid, round, st, kPhaseDispatchRecv, rank, static_cast<int32_t>(tid), n);
-    rt.tokens[tid] = static_cast<int32_t>(n);
-  }
-  // Another warp, so the two polls overlap; the barrier below orders the acquire before every entry read.
-  if (routeFlag > 0 && tid >= 32 && tid < 32 + W) {
-    const uint32_t s = tid - 32;
-    ok = waitFlag(flagPtr(local, g, kFlagDispatch, s), routeFlag, st, kPhaseDispatchRecv, rank, static_cast<int32_t>(s),
-                  patienceFor(g, s));
-  }
+  bool ok = pollSenders(local, g, rt, round, st, routeFlag, tid);
   for (uint32_t le = tid; le < L; le += threads) {
     int32_t acc = 0;
     for (uint32_t s = 0; s < W && ok; ++s) {
@@ -917,6 +928,17 @@ __device__ void expandLines(const DispatchKernelArgs& a, const LineTables& lt, u
         scaleOff = le * a.outScaleStrideBytes[0] + idx * a.outScaleStrideBytes[1];
       }
     }
+    // The combine's rows (DeviceState::rowSlots), a repeated expert's entries too, from the raw indices (complete).
+    if (piece == 0 && lane < K) {
+      const uint64_t at = (static_cast<uint64_t>(s) * Ts + j) * K + lane;
+      const uint32_t e = static_cast<uint32_t>(reinterpret_cast<const uint64_t*>(local + g.offRawIdx)[at]);
+      uint64_t slot = ~0ull;
+      if (e != 0xFFFFFFFFu && e / g.numLocalExperts == g.rank) {
+        const uint32_t le = e % g.numLocalExperts;
+        slot = static_cast<uint64_t>(le) << 32 | static_cast<uint32_t>(rowOf(lt, u, le));
+      }
+      a.st.rowSlots[at] = slot;
+    }
     const uint32_t rows = __ballot_sync(0xffffffffu, rowOff >= 0);
     if (rows == 0) continue;
     int4 v[kLineUnroll];
@@ -1104,11 +1126,17 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
     for (uint32_t k0 = 0; k0 < K; k0 += 32) {
       const RouteEntry e = k0 == 0 ? e0 : k0 + lane < K ? entry(s, j, k0 + lane) : RouteEntry{-1, 0};
       int64_t rowOff = -1, scaleOff = 0;
-      if (e.le >= 0 && (e.le & kDupBit) == 0) {
-        const int64_t idx = rt.rowBase[e.le] + rt.senderBase[s * L + e.le] + e.pos;
-        rowOff = e.le * a.outExpertStrideBytes + idx * a.outRowStrideBytes;
-        scaleOff = e.le * a.outScaleStrideBytes[0] + idx * a.outScaleStrideBytes[1];
+      uint64_t slot = ~0ull;
+      if (e.le >= 0) {
+        const int32_t le = e.le & ~kDupBit;
+        const int64_t idx = rt.rowBase[le] + rt.senderBase[s * L + le] + e.pos;
+        slot = static_cast<uint64_t>(le) << 32 | static_cast<uint32_t>(idx);
+        if ((e.le & kDupBit) == 0) {
+          rowOff = le * a.outExpertStrideBytes + idx * a.outRowStrideBytes;
+          scaleOff = le * a.outScaleStrideBytes[0] + idx * a.outScaleStrideBytes[1];
+        }
       }
+      if (piece == 0 && k0 + lane < K) a.st.rowSlots[(static_cast<uint64_t>(s) * Ts + j) * K + k0 + lane] = slot;
       for (uint32_t m = __ballot_sync(0xffffffffu, rowOff >= 0); m != 0; m &= m - 1) {
         const int b = __ffs(m) - 1;
         uint8_t* dst = a.outX + __shfl_sync(0xffffffffu, rowOff, b);
@@ -1470,8 +1498,7 @@ __device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt,
                                 uint32_t warpId, uint32_t numWarps) {
   const Geometry& g = a.g;
   char* local = a.peers[g.rank];
-  const uint32_t L = g.numLocalExperts, K = g.topK, W = g.worldSize, Ts = g.slotsPerSender, D = g.dpSize;
-  const uint64_t* route = reinterpret_cast<const uint64_t*>(local + g.offRoute);  // tagged; complete since dispatch
+  const uint32_t K = g.topK, W = g.worldSize, Ts = g.slotsPerSender, D = g.dpSize;
   const uint64_t* weights = reinterpret_cast<const uint64_t*>(local + g.offWeights);
   const PT* y = reinterpret_cast<const PT*>(a.y);
   const uint32_t lane = threadIdx.x % 32;
@@ -1505,10 +1532,10 @@ __device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt,
     for (uint32_t h = 0; h < 2; ++h) {
       const uint32_t k = h * 32 + lane;
       if (k < K) {
-        const RouteEntry e = unpackEntry(static_cast<uint32_t>(route[routeIndex(K, Ts, s, j, k)]));
-        if (e.le >= 0) {
-          const int32_t le = e.le & ~kDupBit;
-          const int64_t idx = rt.rowBase[le] + rt.senderBase[s * L + le] + e.pos;
+        // The row the dispatch gave this entry (DeviceState::rowSlots; a repeated expert's entries share it).
+        const uint64_t slot = a.st.rowSlots[(static_cast<uint64_t>(s) * Ts + j) * K + k];
+        if (slot != ~0ull) {
+          const int64_t le = static_cast<int64_t>(slot >> 32), idx = static_cast<uint32_t>(slot);
           yOff[h] = le * a.yExpertStride + idx * a.yRowStride;
           // The unit's slice of this row into L2 now: the rows are summed one after the other below, so without it
           // every row but the first starts with a memory latency (decode: ~4 rows per unit, ~2 units per warp).
@@ -1704,9 +1731,13 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(const CombineKernel
       }
       tracePoint(a.st, kTrRouted);
     }
-    // The dispatch round of these tables is this combine's round (dispatch and combine alternate).
-    const RowTables rt = computeRows(a.peers[g.rank], g, smem, a.packed != 0, a.padding, seq, a.st,
-                                     g.lines ? static_cast<uint64_t>(seq) * g.routeBlocks : 0);
+    // The senders' token counts of this combine's round (dispatch and combine alternate); the rows come from the
+    // dispatch (rowSlots), so no row tables.
+    RowTables rt = rowTablesAt(g, smem, true);
+    rt.ok = __syncthreads_and(pollSenders(a.peers[g.rank], g, rt, seq, a.st,
+                                          g.lines ? static_cast<uint64_t>(seq) * g.routeBlocks : 0, threadIdx.x)
+                                  ? 1
+                                  : 0) != 0;
     if (!rt.ok) return;
     tracePoint(a.st, kTrRows);
     // With D == 1 this rank's own tokens have their partials here, on this rank, read only by its own combine-recv

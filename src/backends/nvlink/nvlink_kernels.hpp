@@ -24,6 +24,10 @@ struct DeviceState {
   uint64_t* routeArrived;
   /// Work-unit counters of the dynamic schedules u32 [kQueues][2], by round parity (see expandTokens).
   uint32_t* queues;
+  /// Rows of the last dispatch's tokens here, u64 [W][Ts][K]: entry k of sender s's token j is (local expert << 32 |
+  /// row) or ~0 (not here). The dispatch's expansion writes them (the unit of the token's piece 0), the combine-send
+  /// reads them: no row tables to rebuild before its first load.
+  uint64_t* rowSlots;
   /// Diagnostics (EPCOMM_NVLINK_TRACE): [blocks][kTracePhases] %globaltimer stamps of this launch, or null. Thread 0
   /// of each block stamps the phases it passes (see TracePhase); nvlink_trace.cc summarises them.
   uint64_t* trace;

@@ -234,6 +234,11 @@ inline uint64_t routeScratchBytes(const Geometry& g) {
   return 256 + static_cast<uint64_t>(g.routeBlocks) * g.numExperts * 4;
 }
 
+/// The dispatch's rows for the combine (DeviceState::rowSlots): u64 [W][Ts][K], device memory beside the region.
+inline uint64_t rowSlotBytes(const Geometry& g) {
+  return static_cast<uint64_t>(g.worldSize) * g.slotsPerSender * g.topK * sizeof(uint64_t);
+}
+
 /// Line mode: the receivers' tables (computeLineTables), i32 words: first token of each sender [W + 1], expert totals
 /// and first rows [2][L], per 32 tokens and expert the tokens' bits and the rows before them [2][ceil(W Ts / 32)][L],
 /// per routing entry its local expert [W Ts K].
