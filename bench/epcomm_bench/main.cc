@@ -885,8 +885,9 @@ class Bench {
         "# epcomm-bench  backend=%s world=%d dp=%d iters=%d warmup=%d barrier=%s blocks=%s max-tokens=%s layout=%s "
         "rev=%s machine=%s\n",
         o_.backend.c_str(), world_, o_.dp, o_.iters, o_.warmup, shm_ != nullptr ? o_.barrier.c_str() : "tcp",
-        blocks > 0 ? std::to_string(blocks).c_str() : "auto", layoutName(o_.layout),
-        o_.maxTokens > 0 ? std::to_string(o_.maxTokens).c_str() : "T", gitRev(o_).c_str(), machine_.c_str());
+        blocks > 0 ? std::to_string(blocks).c_str() : "auto",
+        o_.maxTokens > 0 ? std::to_string(o_.maxTokens).c_str() : "T", layoutName(o_.layout), gitRev(o_).c_str(),
+        machine_.c_str());
     std::printf(
         "# times in us (median, max over ranks); GB/s = cross-rank payload bytes per rank per direction / time\n");
     if (hostMode_) {
