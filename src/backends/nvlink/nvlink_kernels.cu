@@ -285,15 +285,11 @@ __device__ __forceinline__ RowTables rowTablesAt(const Geometry& g, int32_t* sme
   return RowTables{smem, smem + W * L, smem + (W + 1) * L, smem + (W + 2) * L, ok};
 }
 
-// Block-wide. The counts and token counts are tagged words (tagWord) of the senders' dispatch `round`: every
-// thread polls its share, so the tables are ready as soon as the words land (no route flag, no fence behind the
-// payload). Afterwards (combine) they are already there and the polls return at once.
-// `routeFlag` > 0 (combine after a line-mode dispatch): first wait until every rank's dispatch flag reaches it, the
-// senders' routing blocks having signalled after their entries (those are read untagged afterwards).
-// `first`: only the threads [first, blockDim.x) take part (groupAnd); rowTablesAt() gives the others the result.
-// Thread `tid` of a group: tid < W polls sender tid's token count of `round` into rt.tokens; with `routeFlag` > 0
-// (combine after a line-mode dispatch) threads 32 .. 32 + W wait until every rank's dispatch flag reaches it (the
-// caller's barrier orders that acquire before what follows). Returns this thread's success.
+// Thread `tid` of a group: tid < W polls sender tid's token count of dispatch `round` (a tagged word) into rt.tokens;
+// with `routeFlag` > 0 (the combine after a line-mode dispatch, whose receivers saw no flag) threads 32 .. 32 + W
+// wait until every rank's dispatch flag reaches it: the acquire that orders this combine's stores into the peers'
+// buffers after the peers' previous reads of them (docs/nvlink.md, Combine send). The caller's barrier orders it
+// before what follows. Returns this thread's success.
 __device__ bool pollSenders(char* local, const Geometry& g, const RowTables& rt, uint32_t round, const DeviceState& st,
                             uint64_t routeFlag, uint32_t tid) {
   const uint32_t W = g.worldSize;
@@ -314,14 +310,18 @@ __device__ bool pollSenders(char* local, const Geometry& g, const RowTables& rt,
   return ok;
 }
 
+// Block-wide (the dispatch's receivers). The counts and token counts are tagged words (tagWord) of the senders'
+// dispatch `round`: every thread polls its share, so the tables are ready as soon as the words land (no route flag,
+// no fence behind the payload). `first`: only the threads [first, blockDim.x) take part (groupAnd); rowTablesAt()
+// gives the others the result.
 __device__ RowTables computeRows(char* local, const Geometry& g, int32_t* smem, bool packed, uint32_t padding,
-                                 uint32_t round, const DeviceState& st, uint64_t routeFlag = 0, uint32_t first = 0) {
+                                 uint32_t round, const DeviceState& st, uint32_t first = 0) {
   const uint32_t W = g.worldSize, L = g.numLocalExperts;
   const uint32_t tid = threadIdx.x - first, threads = blockDim.x - first;
   RowTables rt = rowTablesAt(g, smem, true);
   const uint64_t* counts = reinterpret_cast<const uint64_t*>(local + g.offCounts);
   const int32_t rank = static_cast<int32_t>(g.rank);
-  bool ok = pollSenders(local, g, rt, round, st, routeFlag, tid);
+  bool ok = pollSenders(local, g, rt, round, st, 0, tid);
   for (uint32_t le = tid; le < L; le += threads) {
     int32_t acc = 0;
     for (uint32_t s = 0; s < W && ok; ++s) {
@@ -348,7 +348,9 @@ __device__ RowTables computeRows(char* local, const Geometry& g, int32_t* smem, 
 // prefix sum. Routing block c owns tokens [c * routeChunk, (c + 1) * routeChunk); with R > 1 each first counts its
 // chunk per expert, publishes the histogram in routeScratch, waits for the other routing blocks of this rank (same
 // GPU) and starts its positions at the sum of the earlier chunks' counts. `round`: this send's number (1-based).
-// Returns false if that wait timed out (recorded).
+// Line mode sends only the token count (its receivers rank the tokens themselves, and the combine takes each entry's
+// row from rowSlots); the pass still checks every index. Returns false if the wait for the other routing blocks timed
+// out (recorded).
 __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t* smem, uint32_t chunk,
                                 uint32_t round) {
   const Geometry& g = a.g;
@@ -356,6 +358,7 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
   const uint32_t R = g.routeBlocks;
   const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint32_t lo = min(n, chunk * g.routeChunk), hi = min(n, lo + g.routeChunk);
+  const bool emit = !g.lines;                          // entries and counts (see above)
   uint32_t* bits = reinterpret_cast<uint32_t*>(smem);  // [kWarps][E]: lanes of the warp's 32 tokens per expert
   int32_t* base = smem + kWarps * E;                   // [kWarps][E]: tokens before this warp's 32
   int32_t* running = smem + 2 * kWarps * E;            // [E]
@@ -474,7 +477,7 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
       // The last chunk's block knows every chunk's histogram now: the receivers' counts go out before the positions
       // (prefill: ~10 us earlier), so the receivers' row tables, and with them the expansion of each rank's own
       // tokens, do not wait for the whole routing pass.
-      if (chunk == R - 1) emitCount(e, before + running[e]);
+      if (chunk == R - 1 && emit) emitCount(e, before + running[e]);
       running[e] = before;
     }
     __syncthreads();
@@ -485,11 +488,11 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
   // once: only the routing blocks run it, so each instruction is an i-cache miss on first use.
   for (uint32_t phase = R > 1 ? 0 : 1; phase < 2; ++phase) {
     if (phase == 1 && R > 1 && !publishChunk()) return false;
-    for (uint32_t jb = lo; jb < hi; jb += kThreads) pass(jb, phase == 1);
+    for (uint32_t jb = lo; jb < hi; jb += kThreads) pass(jb, phase == 1 && emit);
   }
   // One routing block: after its positions its running counts are this rank's totals per expert, the receivers'
   // counts (with several, the last one sent them after the counting phase).
-  if (R == 1) {
+  if (R == 1 && emit) {
     for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) emitCount(e, running[e]);
   }
   return true;
@@ -786,7 +789,7 @@ __device__ __forceinline__ uint32_t senderOf(const LineTables& lt, uint32_t u) {
 
 // Block-wide. Polls every sender's token count and expert indices (tagged words of `round`) and ranks the tokens per
 // local expert exactly as dispatchRouting does on the senders (rows by sender, then token; a token's repeated expert
-// gets one row), so the rows match the entries the combine reads. `smem` is free on entry.
+// gets one row), the order of the plain path's rows. `smem` is free on entry.
 __device__ LineTables computeLineTables(const DispatchKernelArgs& a, int32_t* smem, uint32_t round) {
   const Geometry& g = a.g;
   const uint32_t W = g.worldSize, L = g.numLocalExperts, K = g.topK, Ts = g.slotsPerSender;
@@ -977,10 +980,10 @@ __device__ void expandLines(const DispatchKernelArgs& a, const LineTables& lt, u
   }
 }
 
-// Fused dispatch in line mode. Roles (R = g.routeBlocks): blocks [0, R) route (the entries and counts that the
-// combine reads), blocks [R, R + P) store this rank's tokens into the other ranks as lines, blocks [R + P, B) (the
-// expanders) first send this rank's indices, then build the line tables (once the senders' indices land, ahead of
-// their payload) and expand. Nothing waits for a flag or a fence.
+// Fused dispatch in line mode. Roles (R = g.routeBlocks): blocks [0, R) route (the token count first, every index
+// checked) and raise the dispatch flag that the combine waits for, blocks [R, R + P) store this rank's tokens into the
+// other ranks as lines, blocks [R + P, B) (the expanders) first send this rank's indices, then build the line tables
+// (once the senders' indices land, ahead of their payload) and expand. Nothing waits for a flag or a fence.
 //   Small batches (leanLinePayloadBlocks: every sender's units fit the expanders' warps, one each, with P just enough
 //   blocks for one unit per warp of this rank's tokens): the expanders expand every token, this rank's from x and the
 //   peers' line by line as they land; the routing and payload blocks end after their stores. Building the tables right
@@ -999,7 +1002,7 @@ __device__ void fusedDispatchLines(const DispatchKernelArgs& a, int32_t* smem, u
   if (blockIdx.x < R) {
     if (!dispatchRouting(a, n, smem, blockIdx.x, sendRound)) return;
     tracePoint(a.st, kTrRouted);
-    signalAllRanks(a.peers, g, kFlagDispatch);  // for the combine, which reads the entries untagged
+    signalAllRanks(a.peers, g, kFlagDispatch);  // for the combine (pollSenders)
     if (lean) return;
   } else if (blockIdx.x < firstLocal) {
     dispatchLines(a, n, spreadWarp(blockIdx.x - R, P), P * kWarps, allRanksMask(g) & ~(1u << g.rank), sendRound,
@@ -1247,7 +1250,7 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
     // Every rank's counts for this rank's experts, polled as they land (tagged words): no route flag.
     RowTables rt;
     if (threadIdx.x >= first) {
-      rt = computeRows(local, g, smem, a.packed != 0, a.padding, round, a.st, 0, first);
+      rt = computeRows(local, g, smem, a.packed != 0, a.padding, round, a.st, first);
       if (first > 0) {
         int32_t* okWord = smem + rowTableWords(g);
         if (threadIdx.x == first) *okWord = rt.ok ? 1 : 0;
@@ -1370,8 +1373,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
       tracePoint(a.st, kTrStored);
     }
     // Routing blocks too: their entries and counts are tagged words, but the receivers' dispatch flag counts B.
-    // Line mode: only the R routing blocks signal (for the combine, which reads their entries untagged); what the
-    // dispatch receivers poll is tagged.
+    // Line mode: only the R routing blocks signal (for the combine, pollSenders); what the dispatch receivers poll is
+    // tagged.
     if (!g.lines || router) {
       signalAllRanks(a.peers, g, kFlagDispatch);
       tracePoint(a.st, kTrSignalled);
