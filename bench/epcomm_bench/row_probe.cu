@@ -180,38 +180,14 @@ int main(int argc, char** argv) {
               tokens, kPerToken, kRowBytes, tokens * kPerToken * kRowBytes / 1e6, blocks, kThreads, samples);
   const char* names[2] = {"batched", "packed"};
   const int64_t* offs[2] = {offB, offP};
-  for (int thrashFirst = 0; thrashFirst < 2; ++thrashFirst) {
-    for (int layout = 0; layout < 2; ++layout) {
-      std::vector<double> us;
-      for (int s = -5; s < samples; ++s) {
-        if (thrashFirst) {
-          thrash<<<264, 256>>>(junk, kThrashBytes / 4, kPage / 4);
-        } else {
-          expand<<<blocks, kThreads>>>(src, dst, offs[layout], tokens, stamps);
-        }
-        CHECK(cudaDeviceSynchronize());
-        expand<<<blocks, kThreads>>>(src, dst, offs[layout], tokens, stamps);
-        CHECK(cudaDeviceSynchronize());
-        CHECK(cudaMemcpy(host.data(), stamps, host.size() * 8, cudaMemcpyDeviceToHost));
-        uint64_t lo = ~0ull, hi = 0;
-        for (uint32_t b = 0; b < blocks; ++b) {
-          lo = std::min(lo, host[2 * b]);
-          hi = std::max(hi, host[2 * b + 1]);
-        }
-        if (s >= 0) us.push_back((hi - lo) / 1e3);
-      }
-      std::sort(us.begin(), us.end());
-      std::printf("%-8s %-22s median %6.2f us  p90 %6.2f us\n", names[layout],
-                  thrashFirst ? "after an 8 GiB touch" : "warm (same launch before)", us[us.size() / 2],
-                  us[us.size() * 9 / 10]);
-    }
-  }
-  // Bulk stores (expandBulk), TLB warm, both layouts.
-  CHECK(cudaFuncSetAttribute(expandBulk, cudaFuncAttributeMaxDynamicSharedMemorySize, kWarps * kUnitBytes));
-  for (int layout = 0; layout < 2; ++layout) {
+  // `samples` rounds (after 5 unrecorded ones) of prepare(), launch(), each followed by a device sync; prints the
+  // median and 90th percentile of the launch's in-kernel time. Returns 1 on a CUDA error (printed).
+  auto measure = [&](const char* layout, const char* what, auto prepare, auto launch) -> int {
     std::vector<double> us;
     for (int s = -5; s < samples; ++s) {
-      expandBulk<<<blocks, kThreads, kWarps * kUnitBytes>>>(src, dst, offs[layout], tokens, stamps);
+      prepare();
+      CHECK(cudaDeviceSynchronize());
+      launch();
       CHECK(cudaDeviceSynchronize());
       CHECK(cudaMemcpy(host.data(), stamps, host.size() * 8, cudaMemcpyDeviceToHost));
       uint64_t lo = ~0ull, hi = 0;
@@ -222,8 +198,33 @@ int main(int argc, char** argv) {
       if (s >= 0) us.push_back((hi - lo) / 1e3);
     }
     std::sort(us.begin(), us.end());
-    std::printf("%-8s %-22s median %6.2f us  p90 %6.2f us\n", names[layout], "bulk stores (TMA), warm",
-                us[us.size() / 2], us[us.size() * 9 / 10]);
+    std::printf("%-8s %-25s median %6.2f us  p90 %6.2f us\n", layout, what, us[us.size() / 2], us[us.size() * 9 / 10]);
+    return 0;
+  };
+  for (int thrashFirst = 0; thrashFirst < 2; ++thrashFirst) {
+    for (int layout = 0; layout < 2; ++layout) {
+      auto launch = [&] { expand<<<blocks, kThreads>>>(src, dst, offs[layout], tokens, stamps); };
+      auto prepare = [&] {
+        if (thrashFirst) {
+          thrash<<<264, 256>>>(junk, kThrashBytes / 4, kPage / 4);
+        } else {
+          launch();
+        }
+      };
+      if (measure(names[layout], thrashFirst ? "after an 8 GiB touch" : "warm (same launch before)", prepare, launch)) {
+        return 1;
+      }
+    }
+  }
+  // Bulk stores (expandBulk), TLB warm (the previous sample's launch), both layouts.
+  CHECK(cudaFuncSetAttribute(expandBulk, cudaFuncAttributeMaxDynamicSharedMemorySize, kWarps * kUnitBytes));
+  for (int layout = 0; layout < 2; ++layout) {
+    auto launch = [&] {
+      expandBulk<<<blocks, kThreads, kWarps * kUnitBytes>>>(src, dst, offs[layout], tokens, stamps);
+    };
+    if (measure(
+            names[layout], "bulk stores (TMA), warm", [] {}, launch))
+      return 1;
   }
   return 0;
 }
