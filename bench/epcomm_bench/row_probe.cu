@@ -22,6 +22,8 @@
 #include <random>
 #include <vector>
 
+#include "probe_check.hpp"
+
 namespace {
 
 constexpr uint32_t kThreads = 512, kWarps = kThreads / 32;
@@ -112,15 +114,6 @@ __global__ void thrash(uint32_t* buf, uint64_t words, uint64_t strideWords) {
   }
 }
 
-#define CHECK(x)                                                                        \
-  do {                                                                                  \
-    cudaError_t e_ = (x);                                                               \
-    if (e_ != cudaSuccess) {                                                            \
-      std::fprintf(stderr, "%s: %s (line %d)\n", #x, cudaGetErrorString(e_), __LINE__); \
-      return 1;                                                                         \
-    }                                                                                   \
-  } while (0)
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -130,7 +123,7 @@ int main(int argc, char** argv) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n < 1) {
     std::printf("expand-row-probe: no GPU, skipped\n");
-    return 77;
+    return probe::kSkipped;
   }
   if (tokens == 0 || tokens > kRowsPerExpert || blocks == 0 || samples <= 0) {
     std::fprintf(stderr, "expand-row-probe: tokens in [1, %u], blocks and samples > 0\n", kRowsPerExpert);
@@ -158,38 +151,38 @@ int main(int argc, char** argv) {
     batched[i] = (static_cast<int64_t>(experts[i]) * kRowsPerExpert + slot[i]) * kRowBytes;
     packed[i] = static_cast<int64_t>(first[experts[i]] + slot[i]) * kRowBytes;
   }
-  CHECK(cudaSetDevice(0));
+  PROBE_CHECK(cudaSetDevice(0));
   int4* src = nullptr;
   char* dst = nullptr;
   int64_t *offB = nullptr, *offP = nullptr;
   uint64_t* stamps = nullptr;
   uint32_t* junk = nullptr;
-  CHECK(cudaMalloc(&src, static_cast<size_t>(tokens) * kRowBytes));
-  CHECK(cudaMemset(src, 1, static_cast<size_t>(tokens) * kRowBytes));
-  CHECK(cudaMalloc(&dst, static_cast<size_t>(kL) * kRowsPerExpert * kRowBytes));
-  CHECK(cudaMemset(dst, 0, static_cast<size_t>(kL) * kRowsPerExpert * kRowBytes));
-  CHECK(cudaMalloc(&offB, batched.size() * 8));
-  CHECK(cudaMalloc(&offP, packed.size() * 8));
-  CHECK(cudaMemcpy(offB, batched.data(), batched.size() * 8, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(offP, packed.data(), packed.size() * 8, cudaMemcpyHostToDevice));
-  CHECK(cudaMalloc(&stamps, 2 * blocks * sizeof(uint64_t)));
-  CHECK(cudaMalloc(&junk, kThrashBytes));
-  CHECK(cudaMemset(junk, 0, kThrashBytes));
+  PROBE_CHECK(cudaMalloc(&src, static_cast<size_t>(tokens) * kRowBytes));
+  PROBE_CHECK(cudaMemset(src, 1, static_cast<size_t>(tokens) * kRowBytes));
+  PROBE_CHECK(cudaMalloc(&dst, static_cast<size_t>(kL) * kRowsPerExpert * kRowBytes));
+  PROBE_CHECK(cudaMemset(dst, 0, static_cast<size_t>(kL) * kRowsPerExpert * kRowBytes));
+  PROBE_CHECK(cudaMalloc(&offB, batched.size() * 8));
+  PROBE_CHECK(cudaMalloc(&offP, packed.size() * 8));
+  PROBE_CHECK(cudaMemcpy(offB, batched.data(), batched.size() * 8, cudaMemcpyHostToDevice));
+  PROBE_CHECK(cudaMemcpy(offP, packed.data(), packed.size() * 8, cudaMemcpyHostToDevice));
+  PROBE_CHECK(cudaMalloc(&stamps, 2 * blocks * sizeof(uint64_t)));
+  PROBE_CHECK(cudaMalloc(&junk, kThrashBytes));
+  PROBE_CHECK(cudaMemset(junk, 0, kThrashBytes));
   std::vector<uint64_t> host(2 * blocks);
   std::printf("expand-row-probe: %u tokens x %u rows of %u B (%.1f MB of rows), %u blocks x %u threads, %d samples\n",
               tokens, kPerToken, kRowBytes, tokens * kPerToken * kRowBytes / 1e6, blocks, kThreads, samples);
   const char* names[2] = {"batched", "packed"};
   const int64_t* offs[2] = {offB, offP};
   // `samples` rounds (after 5 unrecorded ones) of prepare(), launch(), each followed by a device sync; prints the
-  // median and 90th percentile of the launch's in-kernel time. Returns 1 on a CUDA error (printed).
+  // median and 90th percentile of the launch's in-kernel time. Returns 2 on a CUDA error (printed).
   auto measure = [&](const char* layout, const char* what, auto prepare, auto launch) -> int {
     std::vector<double> us;
     for (int s = -5; s < samples; ++s) {
       prepare();
-      CHECK(cudaDeviceSynchronize());
+      PROBE_CHECK(cudaDeviceSynchronize());
       launch();
-      CHECK(cudaDeviceSynchronize());
-      CHECK(cudaMemcpy(host.data(), stamps, host.size() * 8, cudaMemcpyDeviceToHost));
+      PROBE_CHECK(cudaDeviceSynchronize());
+      PROBE_CHECK(cudaMemcpy(host.data(), stamps, host.size() * 8, cudaMemcpyDeviceToHost));
       uint64_t lo = ~0ull, hi = 0;
       for (uint32_t b = 0; b < blocks; ++b) {
         lo = std::min(lo, host[2 * b]);
@@ -212,19 +205,19 @@ int main(int argc, char** argv) {
         }
       };
       if (measure(names[layout], thrashFirst ? "after an 8 GiB touch" : "warm (same launch before)", prepare, launch)) {
-        return 1;
+        return 2;
       }
     }
   }
   // Bulk stores (expandBulk), TLB warm (the previous sample's launch), both layouts.
-  CHECK(cudaFuncSetAttribute(expandBulk, cudaFuncAttributeMaxDynamicSharedMemorySize, kWarps * kUnitBytes));
+  PROBE_CHECK(cudaFuncSetAttribute(expandBulk, cudaFuncAttributeMaxDynamicSharedMemorySize, kWarps * kUnitBytes));
   for (int layout = 0; layout < 2; ++layout) {
     auto launch = [&] {
       expandBulk<<<blocks, kThreads, kWarps * kUnitBytes>>>(src, dst, offs[layout], tokens, stamps);
     };
     if (measure(
             names[layout], "bulk stores (TMA), warm", [] {}, launch))
-      return 1;
+      return 2;
   }
   return 0;
 }
