@@ -92,18 +92,7 @@ int main(int argc, char** argv) {
   const uint32_t lines = argc > 1 ? static_cast<uint32_t>(std::strtoul(argv[1], nullptr, 10)) : 65536;
   const uint32_t rounds = argc > 2 ? static_cast<uint32_t>(std::strtoul(argv[2], nullptr, 10)) : 200;
   const bool tagFirst = argc > 3 && std::string(argv[3]) == "tag-first";
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
-  if (count < 2) {
-    std::printf("nvlink-line-probe: needs 2 GPUs, this machine has %d: skipped\n", count);
-    return probe::kSkipped;
-  }
-  int can = 0;
-  PROBE_CHECK(cudaDeviceCanAccessPeer(&can, 0, 1));
-  if (can == 0) {
-    std::printf("nvlink-line-probe: GPU 0 cannot access GPU 1: skipped\n");
-    return probe::kSkipped;
-  }
+  if (const int skip = probe::twoPeerGpus("nvlink-line-probe")) return skip;
   uint64_t* buf = nullptr;
   unsigned long long* stats = nullptr;
   PROBE_CHECK(cudaSetDevice(1));

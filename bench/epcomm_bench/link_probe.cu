@@ -136,19 +136,7 @@ int main(int argc, char** argv) {
   const int samples = argc > 1 ? std::max(1, std::atoi(argv[1])) : 20;
   const std::vector<uint64_t> mbs = parseList(argc > 2 ? argv[2] : nullptr, {1, 8, 32});
   const std::vector<uint64_t> blockCounts = parseList(argc > 3 ? argv[3] : nullptr, {33, 66, 132});
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
-  if (count < 2) {
-    std::printf("nvlink-link-probe: needs 2 GPUs, this machine has %d: skipped\n", count);
-    return probe::kSkipped;
-  }
-  int can01 = 0, can10 = 0;
-  PROBE_CHECK(cudaDeviceCanAccessPeer(&can01, 0, 1));
-  PROBE_CHECK(cudaDeviceCanAccessPeer(&can10, 1, 0));
-  if (can01 == 0 || can10 == 0) {
-    std::printf("nvlink-link-probe: GPUs 0 and 1 cannot access each other: skipped\n");
-    return probe::kSkipped;
-  }
+  if (const int skip = probe::twoPeerGpus("nvlink-link-probe")) return skip;
   const uint64_t most = *std::max_element(mbs.begin(), mbs.end()) << 20;
   const uint64_t maxBlocks = *std::max_element(blockCounts.begin(), blockCounts.end());
   char *buf0 = nullptr, *buf1 = nullptr;
@@ -198,12 +186,7 @@ int main(int argc, char** argv) {
           PROBE_CHECK(cudaGetLastError());
           PROBE_CHECK(cudaDeviceSynchronize());
           PROBE_CHECK(cudaMemcpy(host.data(), stamps, 2 * blocks * sizeof(uint64_t), cudaMemcpyDeviceToHost));
-          uint64_t lo = ~0ull, hi = 0;
-          for (uint64_t b = 0; b < blocks; ++b) {
-            lo = std::min(lo, host[2 * b]);
-            hi = std::max(hi, host[2 * b + 1]);
-          }
-          if (s >= 0) us.push_back((hi - lo) / 1e3);
+          if (s >= 0) us.push_back(probe::stampSpanUs(host, blocks));
         }
         std::sort(us.begin(), us.end());
         const double med = us[us.size() / 2];

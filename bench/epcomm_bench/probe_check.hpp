@@ -1,15 +1,45 @@
-// Shared by the single-process NVLink probes (line_probe.cu, queue_probe.cu): the exit status for "this machine
-// cannot run the probe" (ctest's SKIP_RETURN_CODE) and a CUDA call check that prints the failure and returns 2 from
-// main.
+// Shared by the single-process probes (line_probe.cu, queue_probe.cu, link_probe.cu, row_probe.cu): the exit status for
+// "this machine cannot run the probe" (ctest's SKIP_RETURN_CODE), a CUDA call check that prints the failure and
+// returns 2 from main, the two-GPU check and the span of per-block time stamps.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
+#include <vector>
 
 namespace probe {
 
 constexpr int kSkipped = 77;
+
+// 0 when GPUs 0 and 1 exist and can access each other's memory, else kSkipped (the reason printed as `name`'s).
+inline int twoPeerGpus(const char* name) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+  if (count < 2) {
+    std::printf("%s: needs 2 GPUs, this machine has %d: skipped\n", name, count);
+    return kSkipped;
+  }
+  int can01 = 0, can10 = 0;
+  if (cudaDeviceCanAccessPeer(&can01, 0, 1) != cudaSuccess || cudaDeviceCanAccessPeer(&can10, 1, 0) != cudaSuccess ||
+      can01 == 0 || can10 == 0) {
+    std::printf("%s: GPUs 0 and 1 cannot access each other: skipped\n", name);
+    return kSkipped;
+  }
+  return 0;
+}
+
+// In us: the last block's end minus the first block's start, from `blocks` (start, end) %globaltimer pairs.
+inline double stampSpanUs(const std::vector<uint64_t>& stamps, uint64_t blocks) {
+  uint64_t lo = ~0ull, hi = 0;
+  for (uint64_t b = 0; b < blocks; ++b) {
+    lo = std::min(lo, stamps[2 * b]);
+    hi = std::max(hi, stamps[2 * b + 1]);
+  }
+  return (hi - lo) / 1e3;
+}
 
 }  // namespace probe
 

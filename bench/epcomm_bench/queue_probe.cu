@@ -109,19 +109,7 @@ Stats summarize(std::vector<long long> v, double cyclesPerUs) {
 int main(int argc, char** argv) {
   const int bulkBlocks = argc > 1 ? std::atoi(argv[1]) : 64;
   const int n = argc > 2 ? std::max(10, std::atoi(argv[2])) : 200;
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
-  if (count < 2) {
-    std::printf("nvlink-queue-probe: needs 2 GPUs, this machine has %d: skipped\n", count);
-    return probe::kSkipped;
-  }
-  int can01 = 0, can10 = 0;
-  PROBE_CHECK(cudaDeviceCanAccessPeer(&can01, 0, 1));
-  PROBE_CHECK(cudaDeviceCanAccessPeer(&can10, 1, 0));
-  if (can01 == 0 || can10 == 0) {
-    std::printf("nvlink-queue-probe: GPUs 0 and 1 cannot access each other: skipped\n");
-    return probe::kSkipped;
-  }
+  if (const int skip = probe::twoPeerGpus("nvlink-queue-probe")) return skip;
   int clock0 = 0, clock1 = 0;  // kHz
   PROBE_CHECK(cudaDeviceGetAttribute(&clock0, cudaDevAttrClockRate, 0));
   PROBE_CHECK(cudaDeviceGetAttribute(&clock1, cudaDevAttrClockRate, 1));

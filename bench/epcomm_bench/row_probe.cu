@@ -183,12 +183,7 @@ int main(int argc, char** argv) {
       launch();
       PROBE_CHECK(cudaDeviceSynchronize());
       PROBE_CHECK(cudaMemcpy(host.data(), stamps, host.size() * 8, cudaMemcpyDeviceToHost));
-      uint64_t lo = ~0ull, hi = 0;
-      for (uint32_t b = 0; b < blocks; ++b) {
-        lo = std::min(lo, host[2 * b]);
-        hi = std::max(hi, host[2 * b + 1]);
-      }
-      if (s >= 0) us.push_back((hi - lo) / 1e3);
+      if (s >= 0) us.push_back(probe::stampSpanUs(host, blocks));
     }
     std::sort(us.begin(), us.end());
     std::printf("%-8s %-25s median %6.2f us  p90 %6.2f us\n", layout, what, us[us.size() / 2], us[us.size() * 9 / 10]);
