@@ -12,7 +12,10 @@
 // touched one word in every 2 MB of an 8 GiB buffer}, then both layouts with the rows written by bulk stores (TMA,
 // `expandBulk`). Prints median and 90th percentile.
 //
-//   expand-row-probe [tokens (default 256)] [blocks (default 66)] [samples (default 50)]
+// With `routed` each token has the rows of its experts among K = 8 drawn from two ranks' (0-8, 4 on average), as at
+// EP2.
+//
+//   expand-row-probe [tokens (default 256)] [blocks (default 66)] [samples (default 50)] [routed]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -20,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "probe_check.hpp"
@@ -27,7 +31,8 @@
 namespace {
 
 constexpr uint32_t kThreads = 512, kWarps = kThreads / 32;
-constexpr uint32_t kL = 128, kRowsPerExpert = 256, kRowBytes = 7168, kUnitBytes = 2048, kPerToken = 4;
+constexpr uint32_t kL = 128, kRowsPerExpert = 256, kRowBytes = 7168, kUnitBytes = 2048;
+constexpr uint32_t kMaxRows = 8;  // rows per token at most (K = 8)
 constexpr uint32_t kPieces = (kRowBytes + kUnitBytes - 1) / kUnitBytes;
 constexpr uint64_t kThrashBytes = 8ull << 30, kPage = 2ull << 20;
 
@@ -37,7 +42,7 @@ __device__ __forceinline__ uint64_t globalTimer() {
   return t;
 }
 
-// rowOff[t * kPerToken + i]: byte offset of token t's i-th row in dst.
+// rowOff[t * kMaxRows + i]: byte offset of token t's i-th row in dst, or -1 (fewer rows).
 __global__ void expand(const int4* src, char* dst, const int64_t* rowOff, uint32_t tokens, uint64_t* stamps) {
   const uint64_t t0 = globalTimer();
   const uint32_t lane = threadIdx.x % 32;
@@ -51,9 +56,9 @@ __global__ void expand(const int4* src, char* dst, const int64_t* rowOff, uint32
       const uint32_t c = lane + 32 * i;
       if (c < vecs) v[i] = src[(static_cast<uint64_t>(t) * kRowBytes + p * kUnitBytes) / 16 + c];
     }
-    const int64_t off = lane < kPerToken ? rowOff[t * kPerToken + lane] : 0;
-    for (uint32_t r = 0; r < kPerToken; ++r) {
-      int4* row = reinterpret_cast<int4*>(dst + __shfl_sync(0xffffffffu, off, r) + p * kUnitBytes);
+    const int64_t off = lane < kMaxRows ? rowOff[t * kMaxRows + lane] : -1;
+    for (uint32_t m = __ballot_sync(0xffffffffu, off >= 0); m != 0; m &= m - 1) {
+      int4* row = reinterpret_cast<int4*>(dst + __shfl_sync(0xffffffffu, off, __ffs(m) - 1) + p * kUnitBytes);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const uint32_t c = lane + 32 * i;
@@ -81,17 +86,17 @@ __global__ void expandBulk(const int4* src, char* dst, const int64_t* rowOff, ui
     const uint32_t t = u / kPieces, p = u % kPieces;
     const uint32_t vecs = min(kUnitBytes, kRowBytes - p * kUnitBytes) / 16;
     // The slice is free again once the previous unit's bulk stores have read it.
-    if (lane < kPerToken) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    if (lane < kMaxRows) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
     __syncwarp();
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const uint32_t c = lane + 32 * i;
       if (c < vecs) mine[c] = src[(static_cast<uint64_t>(t) * kRowBytes + p * kUnitBytes) / 16 + c];
     }
-    const int64_t off = lane < kPerToken ? rowOff[t * kPerToken + lane] : 0;
+    const int64_t off = lane < kMaxRows ? rowOff[t * kMaxRows + lane] : -1;
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncwarp();
-    if (lane < kPerToken) {
+    if (off >= 0) {
       const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(mine));
       char* row = dst + off + p * kUnitBytes;
       asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(row), "r"(s), "r"(vecs * 16)
@@ -99,7 +104,7 @@ __global__ void expandBulk(const int4* src, char* dst, const int64_t* rowOff, ui
       asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     }
   }
-  if (lane < kPerToken) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  if (lane < kMaxRows) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
   __syncthreads();
   if (threadIdx.x == 0) {
     stamps[2 * blockIdx.x] = t0;
@@ -120,6 +125,9 @@ int main(int argc, char** argv) {
   const uint32_t tokens = argc > 1 ? static_cast<uint32_t>(std::atoi(argv[1])) : 256;
   const uint32_t blocks = argc > 2 ? static_cast<uint32_t>(std::atoi(argv[2])) : 66;
   const int samples = argc > 3 ? std::atoi(argv[3]) : 50;
+  // "routed": each token draws K = 8 distinct experts of 2 L (two ranks' experts) and has a row for those below L
+  // (0-8 rows, 4 on average, as at EP2); otherwise exactly 4 distinct local experts per token.
+  const bool routed = argc > 4 && std::string(argv[4]) == "routed";
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n < 1) {
     std::printf("expand-row-probe: no GPU, skipped\n");
@@ -129,25 +137,31 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "expand-row-probe: tokens in [1, %u], blocks and samples > 0\n", kRowsPerExpert);
     return 2;
   }
-  // Each token's kPerToken distinct experts; rows per expert in token order (the dispatch's stable order).
+  // Each token's local experts (kL means none); rows per expert in token order (the dispatch's stable order).
   std::mt19937 rng(12345);
-  std::vector<uint32_t> experts(static_cast<size_t>(tokens) * kPerToken), slot(experts.size());
+  std::vector<uint32_t> experts(static_cast<size_t>(tokens) * kMaxRows, kL), slot(experts.size(), 0);
   std::vector<uint32_t> count(kL, 0);
+  uint64_t rows = 0;
   for (uint32_t t = 0; t < tokens; ++t) {
     std::vector<uint32_t> pick;
-    while (pick.size() < kPerToken) {
-      const uint32_t e = rng() % kL;
+    while (pick.size() < (routed ? kMaxRows : 4)) {
+      const uint32_t e = rng() % (routed ? 2 * kL : kL);
       if (std::find(pick.begin(), pick.end(), e) == pick.end()) pick.push_back(e);
     }
-    for (uint32_t i = 0; i < kPerToken; ++i) {
-      experts[t * kPerToken + i] = pick[i];
-      slot[t * kPerToken + i] = count[pick[i]]++;
+    uint32_t i = 0;
+    for (uint32_t e : pick) {
+      if (e >= kL) continue;
+      experts[t * kMaxRows + i] = e;
+      slot[t * kMaxRows + i] = count[e]++;
+      ++i;
+      ++rows;
     }
   }
   std::vector<uint64_t> first(kL + 1, 0);
   for (uint32_t e = 0; e < kL; ++e) first[e + 1] = first[e] + count[e];
-  std::vector<int64_t> batched(experts.size()), packed(experts.size());
+  std::vector<int64_t> batched(experts.size(), -1), packed(experts.size(), -1);
   for (size_t i = 0; i < experts.size(); ++i) {
+    if (experts[i] == kL) continue;
     batched[i] = (static_cast<int64_t>(experts[i]) * kRowsPerExpert + slot[i]) * kRowBytes;
     packed[i] = static_cast<int64_t>(first[experts[i]] + slot[i]) * kRowBytes;
   }
@@ -169,8 +183,8 @@ int main(int argc, char** argv) {
   PROBE_CHECK(cudaMalloc(&junk, kThrashBytes));
   PROBE_CHECK(cudaMemset(junk, 0, kThrashBytes));
   std::vector<uint64_t> host(2 * blocks);
-  std::printf("expand-row-probe: %u tokens x %u rows of %u B (%.1f MB of rows), %u blocks x %u threads, %d samples\n",
-              tokens, kPerToken, kRowBytes, tokens * kPerToken * kRowBytes / 1e6, blocks, kThreads, samples);
+  std::printf("expand-row-probe: %u tokens, %s rows of %u B (%.1f MB of rows), %u blocks x %u threads, %d samples\n",
+              tokens, routed ? "0-8 (routed)" : "4", kRowBytes, rows * kRowBytes / 1e6, blocks, kThreads, samples);
   const char* names[2] = {"batched", "packed"};
   const int64_t* offs[2] = {offB, offP};
   // `samples` rounds (after 5 unrecorded ones) of prepare(), launch(), each followed by a device sync; prints the
