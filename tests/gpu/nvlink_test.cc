@@ -478,7 +478,7 @@ TEST(NvlinkGpu, W2GraphReplay100) {
 // Rank 1 never enters `phase` ("dispatch": it makes no call at all; "combine": it dispatches, then stops): rank 0
 // must get Error(kTimeout) naming rank 1 and the phase, within the timeout, and the object then refuses further use.
 void peerNeverEnters(const std::string& phase) {
-  setenv("EPCOMM_TIMEOUT_MS", "1500", 1);  // read once per process, in the children
+  ScopedEnv env({{"EPCOMM_TIMEOUT_MS", "1500"}});  // read once per process, in the children
   test::RunResult result = test::runRanks(
       2,
       [&](int rank, Bootstrap& bootstrap) {

@@ -444,10 +444,13 @@ std::vector<PlannedBuffer> planNvlink(const Config& config) {
     plan.push_back(PlannedBuffer{"nvlink", name, memory, bytes, note});
   };
   add("flags", "device (peer-mapped)", g.offNumTokens - g.offFlags, "u64 [2][W] monotone counters");
-  add("routing counts", "device (peer-mapped)", g.offRoute - g.offNumTokens, "u64 [W] + u64 [W][L] (tagged)");
-  add("routing entries", "device (peer-mapped)", g.offRawIdx - g.offRoute,
-      "tagged {le, pos} [W=" + std::to_string(W) + "][K/2=" + std::to_string((K + 1) / 2) +
-          "][Ts=" + std::to_string(Ts) + "][2]");
+  add("routing counts", "device (peer-mapped)", g.offRoute - g.offNumTokens,
+      g.lines ? "u64 [W] token counts (tagged)" : "u64 [W] + u64 [W][L] (tagged)");
+  if (!g.lines) {
+    add("routing entries", "device (peer-mapped)", g.offRawIdx - g.offRoute,
+        "tagged {le, pos} [W=" + std::to_string(W) + "][K/2=" + std::to_string((K + 1) / 2) +
+            "][Ts=" + std::to_string(Ts) + "][2]");
+  }
   if (g.lines) add("line-mode indices", "device (peer-mapped)", g.offPayload - g.offRawIdx, "u64 [W][Ts][K] (tagged)");
   add("dispatch staging", "device (peer-mapped)", g.offWeights - g.offPayload,
       "[W][Ts][" + std::to_string(g.slotBytes) + " B: payload + scales" +

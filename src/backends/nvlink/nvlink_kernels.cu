@@ -285,12 +285,12 @@ __device__ __forceinline__ RowTables rowTablesAt(const Geometry& g, int32_t* sme
   return RowTables{smem, smem + W * L, smem + (W + 1) * L, smem + (W + 2) * L, ok};
 }
 
-// Thread `tid` of a group: tid < W polls sender tid's token count of dispatch `round` (a tagged word) into rt.tokens;
+// Thread `tid` of a group: tid < W polls sender tid's token count of dispatch `round` (a tagged word) into tokens[tid];
 // with `routeFlag` > 0 (the combine after a line-mode dispatch, whose receivers saw no flag) threads 32 .. 32 + W
 // wait until every rank's dispatch flag reaches it: the acquire that orders this combine's stores into the peers'
 // buffers after the peers' previous reads of them (docs/nvlink.md, Combine send). The caller's barrier orders it
 // before what follows. Returns this thread's success.
-__device__ bool pollSenders(char* local, const Geometry& g, const RowTables& rt, uint32_t round, const DeviceState& st,
+__device__ bool pollSenders(char* local, const Geometry& g, int32_t* tokens, uint32_t round, const DeviceState& st,
                             uint64_t routeFlag, uint32_t tid) {
   const uint32_t W = g.worldSize;
   const int32_t rank = static_cast<int32_t>(g.rank);
@@ -299,7 +299,7 @@ __device__ bool pollSenders(char* local, const Geometry& g, const RowTables& rt,
     uint32_t n = 0;
     ok = waitTagged(reinterpret_cast<const uint64_t*>(local + g.offNumTokens) + tid, round, st, kPhaseDispatchRecv,
                     rank, static_cast<int32_t>(tid), n);
-    rt.tokens[tid] = static_cast<int32_t>(n);
+    tokens[tid] = static_cast<int32_t>(n);
   }
   // Another warp, so the two polls overlap.
   if (routeFlag > 0 && tid >= 32 && tid < 32 + W) {
@@ -321,7 +321,7 @@ __device__ RowTables computeRows(char* local, const Geometry& g, int32_t* smem, 
   RowTables rt = rowTablesAt(g, smem, true);
   const uint64_t* counts = reinterpret_cast<const uint64_t*>(local + g.offCounts);
   const int32_t rank = static_cast<int32_t>(g.rank);
-  bool ok = pollSenders(local, g, rt, round, st, 0, tid);
+  bool ok = pollSenders(local, g, rt.tokens, round, st, 0, tid);
   for (uint32_t le = tid; le < L; le += threads) {
     int32_t acc = 0;
     for (uint32_t s = 0; s < W && ok; ++s) {
@@ -805,17 +805,10 @@ __device__ LineTables computeLineTables(const DispatchKernelArgs& a, int32_t* sm
   uint32_t* bits = lt.bits;
   int32_t* before = lt.before;
   const char* local = a.peers[g.rank];
-  const uint64_t* numTokens = reinterpret_cast<const uint64_t*>(local + g.offNumTokens);
   const uint64_t* raw = reinterpret_cast<const uint64_t*>(local + g.offRawIdx);
   const int32_t rank = static_cast<int32_t>(g.rank);
   __syncthreads();  // the caller's last use of smem
-  bool ok = true;
-  if (threadIdx.x < W) {
-    uint32_t n = 0;
-    ok = waitTagged(numTokens + threadIdx.x, round, a.st, kPhaseDispatchRecv, rank, static_cast<int32_t>(threadIdx.x),
-                    n);
-    lt.first[threadIdx.x + 1] = static_cast<int32_t>(n);
-  }
+  bool ok = pollSenders(a.peers[g.rank], g, lt.first + 1, round, a.st, 0, threadIdx.x);
   for (uint32_t i = threadIdx.x; i < words; i += blockDim.x) bits[i] = 0;
   if (__syncthreads_and(ok ? 1 : 0) == 0) return lt;
   if (threadIdx.x == 0) {
@@ -1737,7 +1730,7 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(const CombineKernel
     // The senders' token counts of this combine's round (dispatch and combine alternate); the rows come from the
     // dispatch (rowSlots), so no row tables.
     RowTables rt = rowTablesAt(g, smem, true);
-    rt.ok = __syncthreads_and(pollSenders(a.peers[g.rank], g, rt, seq, a.st,
+    rt.ok = __syncthreads_and(pollSenders(a.peers[g.rank], g, rt.tokens, seq, a.st,
                                           g.lines ? static_cast<uint64_t>(seq) * g.routeBlocks : 0, threadIdx.x)
                                   ? 1
                                   : 0) != 0;

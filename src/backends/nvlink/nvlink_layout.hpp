@@ -53,6 +53,7 @@ EPCOMM_HD RouteEntry unpackEntry(uint32_t v) {
 ///   counts      u64 [W][L]              tokens sender s routed to each local expert, tagWord(send round, count)
 ///   route       u64 [W][K/2][Ts][2]     per sent token: its K entries as seen from this rank (see routeIndex),
 ///                                       tagWord(send round, packEntry(entry)); all three polled by the receivers
+///                                       (counts and route: plain slots only, empty in line mode)
 ///   rawIdx      u64 [W][Ts][K]          line mode: the sender's expert indices, tagWord(send round, index or
 ///                                       0xFFFFFFFF); each receiver ranks the tokens itself (computeLineTables)
 ///   payload     u8 [W][Ts][slotBytes]   token bytes then scales (line mode: as tagged lines), slot = token
@@ -206,10 +207,11 @@ inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1
   off = align256(off + kNumFlags * W * sizeof(uint64_t));
   g.offNumTokens = off;
   off = align256(off + W * sizeof(uint64_t));
+  // Line mode's receivers rank the tokens themselves from the raw indices: no counts, no routing entries.
   g.offCounts = off;
-  off = align256(off + W * g.numLocalExperts * sizeof(uint64_t));
+  off = align256(off + (g.lines ? 0 : W * g.numLocalExperts * sizeof(uint64_t)));
   g.offRoute = off;
-  off = align256(off + W * Ts * roundUpPow2(K, 2) * sizeof(uint64_t));
+  off = align256(off + (g.lines ? 0 : W * Ts * roundUpPow2(K, 2) * sizeof(uint64_t)));
   g.offRawIdx = off;
   off = align256(off + (g.lines ? W * Ts * K * sizeof(uint64_t) : 0));
   g.offPayload = off;

@@ -47,6 +47,7 @@ TEST(NvlinkLayout, LineModeForSmallPushes) {
   EXPECT_EQ(nvlink::leanLinePayloadBlocks(small), 20u);
   EXPECT_GE(small.offPayload - small.offRawIdx, 2ull * 64 * 8 * 8);
   EXPECT_GE(nvlink::sharedBytes(small), nvlink::lineTableBytes(small));
+  EXPECT_EQ(small.offRawIdx, small.offCounts);  // no counts, no routing entries: the receivers rank the tokens
   EXPECT_EQ(nvlink::makeGeometry(make(1, 2, 8), 66).lines, 1u);
   EXPECT_EQ(nvlink::makeGeometry(make(32, 2, 8), 66).lines, 1u);
   EXPECT_EQ(nvlink::makeGeometry(make(96, 2, 8), 66).lines, 0u);   // 2 x 480 units, 35 expander blocks: too many
@@ -128,7 +129,7 @@ TEST(NvlinkLayout, RoutingBlocksFollowTheTokenCount) {
 TEST(NvlinkLayout, RouteIndexIsABijectionIntoTheRouteArea) {
   for (uint32_t k : {1u, 2u, 5u, 8u}) {
     const Config c = make(40, 4, k, 2);
-    const nvlink::Geometry g = nvlink::makeGeometry(c, 66);
+    const nvlink::Geometry g = nvlink::makeGeometry(c, 66, -1, -1, 0);  // plain slots (line mode has no route area)
     const uint64_t slots = (g.offPayload - g.offRoute) / sizeof(uint64_t);
     std::set<uint64_t> seen;
     for (uint32_t s = 0; s < g.worldSize; ++s) {
