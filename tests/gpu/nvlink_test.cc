@@ -253,7 +253,7 @@ Scenario decodeShape() {
   return s;
 }
 
-// 128 tokens (plain slots, automatic) and 64 (line mode's lean split, automatic).
+// 128 and 64 tokens (plain slots, automatic: the small fused push kernel).
 TEST(NvlinkGpu, W2DecodeShape) {
   REQUIRE_GPUS(2);
   Scenario s = decodeShape();
@@ -301,13 +301,14 @@ TEST(NvlinkGpu, W2RoutingChunks) {
   runAll(2, routingChunks(2));
 }
 
-// Push mode without line mode (EPCOMM_NVLINK_LINES=0; the small W2 tests above use lines, automatic at their sizes):
-// plain slots behind the dispatch flag. Decode shape, split + accumulate, packed + padding with D = 2, mixed
-// fused/split.
-TEST(NvlinkGpu, W2PlainSlotsWithoutLines) {
+// Line mode forced on for small batches (EPCOMM_NVLINK_LINES=1; the W2 tests above use plain slots, automatic since
+// the fused push dispatch has its own small kernel): tagged lines, no flag. Decode shape, split + accumulate, packed +
+// padding with D = 2, mixed fused/split.
+TEST(NvlinkGpu, W2LinesForSmallBatches) {
   REQUIRE_GPUS(2);
-  ScopedEnv env({{"EPCOMM_NVLINK_LINES", "0"}});
+  ScopedEnv env({{"EPCOMM_NVLINK_LINES", "1"}});
   Scenario decode = decodeShape();
+  decode.maxTokens = 64;  // the lean split
   Scenario split = base(2);
   split.split = true;
   split.accumulate = true;
@@ -529,7 +530,7 @@ TEST(NvlinkGpu, W2PeerNeverEntersCombineTimesOut) {
   peerNeverEnters("combine");
 }
 
-// Line mode (automatic here): rank 0's receivers wait on rank 1's tagged token count and never see it.
+// Plain slots (automatic): rank 0's receivers wait on rank 1's tagged token count and never see it.
 TEST(NvlinkGpu, W2PeerNeverDispatchesTimesOut) {
   REQUIRE_GPUS(2);
   peerNeverEnters("dispatch");

@@ -9,6 +9,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <algorithm>
 
 #include "backends/nvlink/nvlink_kernels.hpp"
 #include "epcomm/device/ptx.cuh"
@@ -506,7 +507,7 @@ constexpr int kLineUnroll = kLinesPerUnit / 4;
 // Plain slots: 16-byte vectors per lane in one work unit of dispatchPayload and expandTokens: kUnroll (4 KiB per
 // warp), or half of that when a full batch at kUnroll has fewer units than the kernel has warps (decode: 7 KB tokens
 // were 2 units, so 128 tokens kept only half the own-token blocks' warps busy, each storing ~4 rows of 4 KiB).
-__device__ __forceinline__ uint32_t unitVectors(const Geometry& g) {
+__host__ __device__ __forceinline__ uint32_t unitVectors(const Geometry& g) {
   const uint64_t full = ceilDiv(g.hiddenBytes / 16 == 0 ? 1 : g.hiddenBytes / 16, 32 * kUnroll);
   return static_cast<uint64_t>(g.slotsPerSender) * g.worldSize * full <= static_cast<uint64_t>(g.blocks) * kWarps
              ? kUnroll / 2
@@ -515,7 +516,7 @@ __device__ __forceinline__ uint32_t unitVectors(const Geometry& g) {
 
 // Plain slots: work units per token of dispatchPayload and expandTokens (pieces of 32 lanes x unitVectors(g) 16-byte
 // vectors; line mode's are linePieces()).
-__device__ __forceinline__ uint32_t tokenPieces(const Geometry& g) {
+__host__ __device__ __forceinline__ uint32_t tokenPieces(const Geometry& g) {
   const uint32_t units = g.hiddenBytes / 16;
   return units == 0 ? 1 : static_cast<uint32_t>(ceilDiv(units, 32 * unitVectors(g)));
 }
@@ -1190,7 +1191,7 @@ constexpr uint32_t kJoinUnitsPerWarp = 4;
 
 // Whether expanding `tokens` tokens gives the warps of `blocks` blocks more than kJoinUnitsPerWarp work units each:
 // a prefill-sized round, expanded on a dynamic schedule (expandTokens).
-__device__ __forceinline__ bool manyUnitsPerWarp(const Geometry& g, uint64_t tokens, uint32_t blocks) {
+__host__ __device__ __forceinline__ bool manyUnitsPerWarp(const Geometry& g, uint64_t tokens, uint32_t blocks) {
   return tokens * tokenPieces(g) > static_cast<uint64_t>(kJoinUnitsPerWarp) * blocks * kWarps;
 }
 
@@ -1212,6 +1213,7 @@ __device__ bool ownBlocksJoin(const Geometry& g, const RowTables& rt, uint32_t f
 // own tokens, and they finished last (trace, decode T = 128: exit of the last block 18 us against 12-14 us for the
 // others). Their count (dispatchKernel) is about (B - R) / W, the own tokens' share of the expansion. Own staging
 // slots are not written (nothing else reads them). `sendRound`: this send's number (1-based).
+template <bool kSmall>
 __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32_t n, uint32_t round,
                               uint32_t sendRound, uint32_t payloadBlocks) {
   const Geometry& g = a.g;
@@ -1222,13 +1224,13 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
   if (blockIdx.x >= firstLocal) {
     // Pull mode: these blocks push the pushed share of this rank's tokens into the peers, while the routes are not
     // yet in (prefill: ~20 us in which they only waited) and the payload blocks stage the rest locally.
-    if (g.pull && g.pushQuarters > 0) {
+    if (!kSmall && g.pull && g.pushQuarters > 0) {
       dispatchPayload<kPushedSlots>(a, n, spreadWarp(blockIdx.x - firstLocal, B - firstLocal),
                                     (B - firstLocal) * kWarps, peerRanks);
     }
     // Pull mode: warp 0 alone signals. Its fence returns once the pushed share has landed (prefill: ~20 us), and the
     // other warps meanwhile build the row tables and start on this rank's own tokens (warp 0 joins them after).
-    const uint32_t first = g.pull ? 32u : 0u;
+    const uint32_t first = !kSmall && g.pull ? 32u : 0u;
     if (first == 0) {
       signalAllRanks(a.peers, g, kFlagDispatch);
     } else {
@@ -1260,7 +1262,7 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
       for (uint32_t le = threadIdx.x; le < g.numLocalExperts; le += blockDim.x) a.outNumTokens[le] = rt.total[le];
     }
     // When they join the peers' expansion (prefill) both expansions run on dynamic schedules (expandTokens).
-    if (!ownBlocksJoin(g, rt, firstLocal)) {
+    if (kSmall || !ownBlocksJoin(g, rt, firstLocal)) {
       expandTokens<false>(a, rt, kExpandOwn, n, nullptr, ownWarp, ownWarps, round, pre, havePre);
       tracePoint(a.st, kTrOwnDone);
       return;
@@ -1283,7 +1285,7 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
     tracePoint(a.st, kTrRouteSignalled);
   } else {
     const uint32_t warp = spreadWarp(blockIdx.x - R, payloadBlocks), warps = payloadBlocks * kWarps;
-    if (g.pull) {
+    if (!kSmall && g.pull) {
       dispatchPayload<kPulledSlots>(a, n, warp, warps, peerRanks);
     } else {
       dispatchPayload<kAllSlots>(a, n, warp, warps, peerRanks);
@@ -1302,7 +1304,7 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
     return;
   }
   tracePoint(a.st, kTrPeersIn);
-  if (ownBlocksJoin(g, rt, firstLocal)) {
+  if (!kSmall && ownBlocksJoin(g, rt, firstLocal)) {
     expandTokens<true>(a, rt, kExpandPeers, n, queueOf(a.st, kQueueDispatchPeers, round), 0, 0, round);
   } else {
     expandTokens<false>(a, rt, kExpandPeers, n, nullptr, spreadWarp(blockIdx.x, firstLocal), firstLocal * kWarps,
@@ -1310,7 +1312,12 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
   }
 }
 
-template <bool kSend, bool kRecv>
+// kSmall (fused only, smallFusedDispatch() on the host): push mode without line mode, every expansion on static
+// shares, so the kernel holds only that code: 79 KB of SASS instead of 377 KB for the kernel that can take every
+// path. At decode the general kernel's blocks spent microseconds fetching instructions (a routing pass of cold code,
+// expansion units of 3-4 us with no stores at all, docs/nvlink.md, fourteenth pass); the small one dispatched
+// T = 128 in 17.3-18.0 us instead of 19.9-20.4.
+template <bool kSend, bool kRecv, bool kSmall = false>
 __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKernelArgs a) {
   extern __shared__ int32_t smem[];
   tracePoint(a.st, kTrEntry);
@@ -1324,15 +1331,15 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
     const uint32_t R = g.routeBlocks;
     const uint32_t ownBlocks = B > R ? max(1u, (B - R) / g.worldSize) : 0;
     const uint32_t payloadBlocks = g.worldSize > 1 && B > R ? B - R - ownBlocks : 0;
-    if (B >= R + 2 || (g.worldSize == 1 && B >= R + 1)) {
+    if (kSmall || B >= R + 2 || (g.worldSize == 1 && B >= R + 1)) {
       const uint32_t seqSend = a.st.seq[kSeqDispatchSend * B + blockIdx.x];
       const uint32_t round = a.st.seq[kSeqDispatchRecv * B + blockIdx.x] + 1;
       const uint32_t n = numTokensSentBy(g.rank, effectiveBound(a.boundM, a.m), g.dpSize);
       clearNextQueues(a.st, round);
-      if (g.lines) {
+      if (!kSmall && g.lines) {
         fusedDispatchLines(a, smem, n, round, seqSend + 1, payloadBlocks);
       } else {
-        fusedDispatch(a, smem, n, round, seqSend + 1, payloadBlocks);
+        fusedDispatch<kSmall>(a, smem, n, round, seqSend + 1, payloadBlocks);
       }
       __syncthreads();
       tracePoint(a.st, kTrExit);
@@ -1827,10 +1834,12 @@ const void* combineFnMode(int partialType, int outType) {
   }
 }
 
-// The dispatch kernel for these halves.
-const void* dispatchFnFor(bool doSend, bool doRecv) {
-  return doSend && doRecv ? reinterpret_cast<const void*>(dispatchKernel<true, true>)
-         : doSend         ? reinterpret_cast<const void*>(dispatchKernel<true, false>)
+// The dispatch kernel for these halves; `small`: the fused kernel of push mode with static shares only (see
+// dispatchKernel).
+const void* dispatchFnFor(bool doSend, bool doRecv, bool small = false) {
+  return doSend && doRecv ? small ? reinterpret_cast<const void*>(dispatchKernel<true, true, true>)
+                                  : reinterpret_cast<const void*>(dispatchKernel<true, true>)
+         : doSend ? reinterpret_cast<const void*>(dispatchKernel<true, false>)
                           : reinterpret_cast<const void*>(dispatchKernel<false, true>);
 }
 
@@ -1843,8 +1852,18 @@ const void* combineFnFor(bool doSend, bool doRecv, int partialType, int outType)
 
 }  // namespace
 
+bool smallFusedDispatch(const Geometry& g) {
+  if (g.lines != 0 || g.pull != 0) return false;
+  const uint32_t B = g.blocks, R = g.routeBlocks, W = g.worldSize;
+  if (!(B >= R + 2 || (W == 1 && B >= R + 1))) return false;
+  // The own-token blocks never join the peers' expansion (ownBlocksJoin: the peers send at most (W - 1) x Ts tokens).
+  const uint32_t ownBlocks = B > R ? std::max(1u, (B - R) / W) : 0;
+  return !manyUnitsPerWarp(g, static_cast<uint64_t>(W - 1) * g.slotsPerSender, B - ownBlocks);
+}
+
 KernelLaunch dispatchLaunch(const DispatchKernelArgs& args, bool doSend, bool doRecv) {
-  return KernelLaunch{dispatchFnFor(doSend, doRecv), args.g.blocks, kThreads, sharedBytes(args.g)};
+  return KernelLaunch{dispatchFnFor(doSend, doRecv, doSend && doRecv && smallFusedDispatch(args.g)), args.g.blocks,
+                      kThreads, sharedBytes(args.g)};
 }
 
 KernelLaunch combineLaunch(const CombineKernelArgs& args, bool doSend, bool doRecv, int partialType, int outType) {
@@ -1866,6 +1885,7 @@ int configureKernels(uint32_t bytes) {
   };
   for (const auto& h : kHalves) {
     cudaError_t e = raise(dispatchFnFor(h[0], h[1]));
+    if (e == cudaSuccess && h[0] && h[1]) e = raise(dispatchFnFor(true, true, true));
     for (int pt = kTypeBf16; pt <= kTypeF32 && e == cudaSuccess; ++pt) {
       for (int ot = kTypeBf16; ot <= kTypeF32 && e == cudaSuccess; ++ot) e = raise(combineFnFor(h[0], h[1], pt, ot));
     }

@@ -161,11 +161,10 @@ EPCOMM_HD uint32_t leanLinePayloadBlocks(const Geometry& g) {
 /// `pushQuarters` (pull mode): quarters of every sender's slots pushed all the same, -1 automatic (1): they cross
 /// NVLink while the rest is staged locally, which the link would otherwise wait for. Values above 4 clamp to 4 here;
 /// EPCOMM_NVLINK_PUSH_QUARTERS outside [-1, 4] is already an error when the environment is read.
-/// `lineMode` (push mode with W > 1 and K <= 32 only): 1 on, 0 off, -1 automatic: on when the batch is small enough
-/// for leanLinePayloadBlocks(). Measured on 2x H200 (session 11, dispatch eager): lean lines save 0.6-2 us at decode
-/// T = 1-64 and 1.3-2.2 us at qwen3 / small T = 32-64; without the lean split lines cost 0.4 us at decode T = 96, 3
-/// at T = 128 and 5.5 at T = 512, where every receiving block's ranking of all W x Ts x K entries and the line copies
-/// take longer than the flag and fence they replace (docs/nvlink.md, eleventh pass).
+/// `lineMode` (push mode with W > 1 and K <= 32 only): 1 on, 0 off, -1 automatic = off. Lean lines saved 0.6-2 us at
+/// decode T = 1-64 against the general push kernel (session 11), but the fused push dispatch now runs its own small
+/// kernel (smallFusedDispatch), which is ~1 us faster than lines at decode T = 1-32 (docs/nvlink.md, fourteenth
+/// pass).
 inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1, int pushQuarters = -1,
                              int lineMode = -1) {
   Geometry g{};
@@ -196,7 +195,7 @@ inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1
   const uint64_t W = c.worldSize, Ts = g.slotsPerSender, K = c.expertsPerToken;
   const bool linesPossible = c.worldSize > 1 && g.pull == 0 && K <= 32;
   g.linesPerSlot = static_cast<uint32_t>(ceilDiv(roundUpPow2(c.hiddenDimBytes + c.hiddenDimScaleBytes, 16), kLineData));
-  g.lines = linesPossible && (lineMode > 0 || (lineMode < 0 && leanLinePayloadBlocks(g) > 0)) ? 1 : 0;
+  g.lines = linesPossible && lineMode > 0 ? 1 : 0;
   if (g.lines) {
     g.slotBytes = g.linesPerSlot * kLineBytes;
   } else {

@@ -33,12 +33,12 @@ TEST(NvlinkLayout, PullOnlyForLargeBatchesOnSeveralRanks) {
   EXPECT_EQ(nvlink::makeGeometry(make(128, 1, 8), 66, 1).pull, 0u);
 }
 
-// Line mode (push mode, W > 1, K <= 32): automatic for batches small enough for the lean split of the fused dispatch
-// (one expander warp per work unit of every sender's tokens), forced on or off by EPCOMM_NVLINK_LINES. Its slots are
-// whole 128-byte lines of 112 stream bytes each, its raw-index area holds W x Ts x K tagged words, and every kernel's
-// shared memory covers the tables.
+// Line mode (push mode, W > 1, K <= 32): only when EPCOMM_NVLINK_LINES=1 (automatic = plain slots, whose small fused
+// kernel is faster); the lean split of the fused dispatch (one expander warp per work unit of every sender's tokens)
+// for small batches. Its slots are whole 128-byte lines of 112 stream bytes each, its raw-index area holds W x Ts x K
+// tagged words, and every kernel's shared memory covers the tables.
 TEST(NvlinkLayout, LineModeForSmallPushes) {
-  const nvlink::Geometry small = nvlink::makeGeometry(make(64, 2, 8), 66);
+  const nvlink::Geometry small = nvlink::makeGeometry(make(64, 2, 8), 66, -1, -1, 1);
   EXPECT_EQ(small.lines, 1u);
   EXPECT_EQ(small.linesPerSlot, 66u);  // (7168 + 224) / 112
   EXPECT_EQ(small.slotBytes, 66u * 128u);
@@ -48,23 +48,23 @@ TEST(NvlinkLayout, LineModeForSmallPushes) {
   EXPECT_GE(small.offPayload - small.offRawIdx, 2ull * 64 * 8 * 8);
   EXPECT_GE(nvlink::sharedBytes(small), nvlink::lineTableBytes(small));
   EXPECT_EQ(small.offRawIdx, small.offCounts);  // no counts, no routing entries: the receivers rank the tokens
-  EXPECT_EQ(nvlink::makeGeometry(make(1, 2, 8), 66).lines, 1u);
-  EXPECT_EQ(nvlink::makeGeometry(make(32, 2, 8), 66).lines, 1u);
-  EXPECT_EQ(nvlink::makeGeometry(make(96, 2, 8), 66).lines, 0u);   // 2 x 480 units, 35 expander blocks: too many
-  EXPECT_EQ(nvlink::makeGeometry(make(128, 2, 8), 66).lines, 0u);  // decode T = 128: plain slots measured faster
+  EXPECT_EQ(nvlink::makeGeometry(make(1, 2, 8), 66).lines, 0u);  // automatic: plain slots
+  EXPECT_EQ(nvlink::makeGeometry(make(32, 2, 8), 66).lines, 0u);
+  EXPECT_EQ(nvlink::makeGeometry(make(1, 2, 8), 66, -1, -1, 1).lines, 1u);
+  // 2 x 480 units, 35 expander blocks: too many for the lean split.
+  EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(96, 2, 8), 66, -1, -1, 1)), 0u);
   // Eight ranks: 16 tokens x 5 units need 5 payload blocks, 8 x 80 units fit the other 60 blocks' 960 warps; 24
   // tokens (8 x 120 units, 57 blocks' 912 warps) do not.
-  EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(16, 8, 8), 66)), 5u);
-  EXPECT_EQ(nvlink::makeGeometry(make(16, 8, 8), 66).lines, 1u);
-  EXPECT_EQ(nvlink::makeGeometry(make(24, 8, 8), 66).lines, 0u);
+  EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(16, 8, 8), 66, -1, -1, 1)), 5u);
+  EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(24, 8, 8), 66, -1, -1, 1)), 0u);
   const nvlink::Geometry forced = nvlink::makeGeometry(make(1024, 2, 8), 66, 0, -1, 1);  // forced (push mode)
   EXPECT_EQ(forced.lines, 1u);
   EXPECT_EQ(nvlink::leanLinePayloadBlocks(forced), 0u);  // the fused kernel splits its roles as in plain mode
   EXPECT_GE(nvlink::sharedBytes(forced), nvlink::lineTableBytes(forced));
-  EXPECT_EQ(nvlink::makeGeometry(make(4096, 2, 8), 132, -1, -1, 1).lines, 0u);  // pull mode
-  EXPECT_EQ(nvlink::makeGeometry(make(32, 1, 8), 66, -1, -1, 1).lines, 0u);     // one rank
-  EXPECT_EQ(nvlink::makeGeometry(make(32, 2, 33), 66, -1, -1, 1).lines, 0u);    // K > 32
-  EXPECT_EQ(nvlink::makeGeometry(make(32, 2, 8), 2).lines, 0u);                 // no room for the roles
+  EXPECT_EQ(nvlink::makeGeometry(make(4096, 2, 8), 132, -1, -1, 1).lines, 0u);                       // pull mode
+  EXPECT_EQ(nvlink::makeGeometry(make(32, 1, 8), 66, -1, -1, 1).lines, 0u);                          // one rank
+  EXPECT_EQ(nvlink::makeGeometry(make(32, 2, 33), 66, -1, -1, 1).lines, 0u);                         // K > 32
+  EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(32, 2, 8), 2, -1, -1, 1)), 0u);  // no room
   const nvlink::Geometry off = nvlink::makeGeometry(make(32, 2, 8), 66, -1, -1, 0);
   EXPECT_EQ(off.lines, 0u);
   EXPECT_EQ(off.slotBytes, 7168u + 224u);
