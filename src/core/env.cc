@@ -40,7 +40,8 @@ const std::vector<EnvVar>& envVars() {
        "nvlink backend: 1 = an eager call whose arguments repeat launches its kernel as a cached one-node CUDA graph "
        "(made at the second such call; calls on a capturing stream always launch plainly), 0 = plain launches"},
       {"EPCOMM_NVLINK_TRACE", "0",
-       "nvlink backend diagnostics: 1 stamps every kernel's phases per block and prints a summary at destruction"},
+       "nvlink backend diagnostics: 1 stamps every kernel's phases per block and prints a summary at destruction, 2 "
+       "also every block's median stamps of the fused dispatch"},
       {"EPCOMM_FABRIC_DOMAIN", "", "libfabric domain (interface) for the TransferEngine, e.g. lo (empty: first IPv4)"},
       {"EPCOMM_IB_DEVICE", "", "libibverbs TransferEngine: RDMA device name (empty: first device)"},
       {"EPCOMM_IB_PORT", "1", "libibverbs TransferEngine: port number"},
@@ -95,7 +96,7 @@ Env readEnv() {
   e.privateTokens = envInt("EPCOMM_PRIVATE_TOKENS");
   e.proxyCpu = static_cast<int>(envInt("EPCOMM_PROXY_CPU"));
   e.nvlinkBlocks = static_cast<int>(envIntIn("EPCOMM_NVLINK_BLOCKS", 0, 1 << 16));
-  e.nvlinkTrace = envInt("EPCOMM_NVLINK_TRACE") != 0;
+  e.nvlinkTrace = static_cast<int>(envInt("EPCOMM_NVLINK_TRACE"));
   e.nvlinkPull = static_cast<int>(envIntIn("EPCOMM_NVLINK_PULL", -1, 1));
   e.nvlinkPushQuarters = static_cast<int>(envIntIn("EPCOMM_NVLINK_PUSH_QUARTERS", -1, 4));
   e.nvlinkLines = static_cast<int>(envIntIn("EPCOMM_NVLINK_LINES", -1, 1));

@@ -30,7 +30,7 @@ struct Env {
   int64_t privateTokens;       ///< EPCOMM_PRIVATE_TOKENS: host/proxy private area per sender (-1 = derived).
   int proxyCpu;                ///< EPCOMM_PROXY_CPU: core to pin progress/proxy threads to (-1 = none).
   int nvlinkBlocks;            ///< EPCOMM_NVLINK_BLOCKS: SMs used by nvlink kernels (0 = auto).
-  bool nvlinkTrace;            ///< EPCOMM_NVLINK_TRACE: per-block phase stamps, summary at destruction.
+  int nvlinkTrace;             ///< EPCOMM_NVLINK_TRACE: per-block phase stamps, summary at destruction (2: per block).
   int nvlinkPull;              ///< EPCOMM_NVLINK_PULL: 1 pull, 0 push, -1 automatic (see nvlink::makeGeometry).
   int nvlinkPushQuarters;      ///< EPCOMM_NVLINK_PUSH_QUARTERS: pull mode's pushed share, -1 automatic.
   int nvlinkLines;             ///< EPCOMM_NVLINK_LINES: 1 line mode, 0 off, -1 automatic (see nvlink::makeGeometry).

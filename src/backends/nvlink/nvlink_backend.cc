@@ -147,7 +147,7 @@ class NvlinkAllToAll final : public AllToAll {
         cudaHostAlloc(reinterpret_cast<void**>(&hostError_), sizeof(nvlink::ErrorRecord), cudaHostAllocMapped));
     std::memset(hostError_, 0, sizeof(nvlink::ErrorRecord));
     EPCOMM_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&hostErrorDev_), hostError_, 0));
-    if (env().nvlinkTrace) trace_.enable(geo_.blocks);
+    if (env().nvlinkTrace != 0) trace_.enable(geo_.blocks, env().nvlinkTrace >= 2);
     EPCOMM_CHECK_CUDA(cudaDeviceSynchronize());
 
     PeerInfo mine{};

@@ -32,8 +32,9 @@ PhaseTrace::~PhaseTrace() {
   if (dev_ != nullptr) cudaFree(dev_);
 }
 
-void PhaseTrace::enable(uint32_t blocks) {
+void PhaseTrace::enable(uint32_t blocks, bool perBlock) {
   blocks_ = blocks;
+  perBlock_ = perBlock;
   const size_t bytes = static_cast<size_t>(kSlots) * blocks * kTracePhases * sizeof(uint64_t);
   cudaError_t e = cudaMalloc(&dev_, bytes);
   if (e == cudaSuccess) e = cudaMemset(dev_, 0, bytes);
@@ -95,6 +96,29 @@ std::string PhaseTrace::summary(int rank) {
       out << buf;
     }
     out << "\n";
+    if (!perBlock_ || kind != 0) continue;
+    // Every block's median stamps (us since its launch's first entry) of the fused dispatch.
+    for (uint32_t b = 0; b < blocks_; ++b) {
+      out << "  block " << b << ":";
+      for (int p = 0; p < kTracePhases; ++p) {
+        std::vector<double> at;
+        for (uint32_t s = 0; s < kSlots; ++s) {
+          if (slotKind_[s] != kind) continue;
+          const uint64_t* slot = host.data() + static_cast<size_t>(s) * blocks_ * kTracePhases;
+          uint64_t t0 = UINT64_MAX;
+          for (uint32_t c = 0; c < blocks_; ++c) {
+            if (slot[c * kTracePhases] != 0) t0 = std::min(t0, slot[c * kTracePhases]);
+          }
+          const uint64_t t = slot[b * kTracePhases + p];
+          if (t0 != UINT64_MAX && t >= t0) at.push_back((t - t0) / 1e3);
+        }
+        if (at.empty()) continue;
+        char buf[64];
+        std::snprintf(buf, sizeof(buf), " %s %.2f", kPhaseNames[p], median(at));
+        out << buf;
+      }
+      out << "\n";
+    }
   }
   return out.str();
 }

@@ -21,7 +21,8 @@ class PhaseTrace {
   ~PhaseTrace();
 
   /// Allocates the slots (device memory) for kernels of `blocks` blocks; throws Error(kCuda) on failure.
-  void enable(uint32_t blocks);
+  /// `perBlock`: the summary also lists every block's median stamps of the fused dispatch (EPCOMM_NVLINK_TRACE=2).
+  void enable(uint32_t blocks, bool perBlock = false);
   bool enabled() const { return dev_ != nullptr; }
   /// The stamps pointer for the next launch of `kind` (null when disabled).
   uint64_t* next(Kind kind, bool send, bool recv);
@@ -31,6 +32,7 @@ class PhaseTrace {
  private:
   static constexpr uint32_t kSlots = 1024;
   uint32_t blocks_ = 0;
+  bool perBlock_ = false;
   uint64_t* dev_ = nullptr;
   std::vector<int> slotKind_;
   uint64_t launches_ = 0;
