@@ -9,7 +9,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#include <algorithm>
 
 #include "backends/nvlink/nvlink_kernels.hpp"
 #include "epcomm/device/ptx.cuh"
@@ -1329,9 +1328,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
     // own tokens are about 1 / W of the expansion: that share of the non-routing blocks expands them, the rest push
     // this rank's tokens to the peers and then expand the peers' tokens.
     const uint32_t R = g.routeBlocks;
-    const uint32_t ownBlocks = B > R ? max(1u, (B - R) / g.worldSize) : 0;
-    const uint32_t payloadBlocks = g.worldSize > 1 && B > R ? B - R - ownBlocks : 0;
-    if (kSmall || B >= R + 2 || (g.worldSize == 1 && B >= R + 1)) {
+    const uint32_t payloadBlocks = g.worldSize > 1 && B > R ? B - R - fusedOwnBlocks(g) : 0;
+    if (kSmall || fusedRolesFit(g)) {
       const uint32_t seqSend = a.st.seq[kSeqDispatchSend * B + blockIdx.x];
       const uint32_t round = a.st.seq[kSeqDispatchRecv * B + blockIdx.x] + 1;
       const uint32_t n = numTokensSentBy(g.rank, effectiveBound(a.boundM, a.m), g.dpSize);
@@ -1853,12 +1851,9 @@ const void* combineFnFor(bool doSend, bool doRecv, int partialType, int outType)
 }  // namespace
 
 bool smallFusedDispatch(const Geometry& g) {
-  if (g.lines != 0 || g.pull != 0) return false;
-  const uint32_t B = g.blocks, R = g.routeBlocks, W = g.worldSize;
-  if (!(B >= R + 2 || (W == 1 && B >= R + 1))) return false;
+  if (g.lines != 0 || g.pull != 0 || !fusedRolesFit(g)) return false;
   // The own-token blocks never join the peers' expansion (ownBlocksJoin: the peers send at most (W - 1) x Ts tokens).
-  const uint32_t ownBlocks = B > R ? std::max(1u, (B - R) / W) : 0;
-  return !manyUnitsPerWarp(g, static_cast<uint64_t>(W - 1) * g.slotsPerSender, B - ownBlocks);
+  return !manyUnitsPerWarp(g, static_cast<uint64_t>(g.worldSize - 1) * g.slotsPerSender, g.blocks - fusedOwnBlocks(g));
 }
 
 KernelLaunch dispatchLaunch(const DispatchKernelArgs& args, bool doSend, bool doRecv) {

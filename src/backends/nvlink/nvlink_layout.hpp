@@ -140,6 +140,20 @@ EPCOMM_HD uint32_t linePieces(const Geometry& g) {
   return static_cast<uint32_t>(ceilDiv(g.linesPerSlot, kLinesPerUnit));
 }
 
+/// The fused dispatch's own-token blocks: about (B - R) / W, the own tokens' share of the expansion (at least one).
+EPCOMM_HD uint32_t fusedOwnBlocks(const Geometry& g) {
+  if (g.blocks <= g.routeBlocks) return 0;
+  const uint32_t own = (g.blocks - g.routeBlocks) / g.worldSize;
+  return own > 0 ? own : 1;
+}
+
+/// Whether the grid has room for the fused dispatch's roles: a payload block (when there are peers) and an own-token
+/// block besides the R routing blocks. Otherwise the fused call runs the send and the receive paths one after the
+/// other.
+EPCOMM_HD bool fusedRolesFit(const Geometry& g) {
+  return g.blocks >= g.routeBlocks + 2 || (g.worldSize == 1 && g.blocks >= g.routeBlocks + 1);
+}
+
 /// Line mode's lean split of the fused dispatch (fusedDispatchLines), or 0 when the batch is too large for it: P
 /// payload blocks, enough for one work unit per warp of a sender's Ts tokens, and when the other B - R - P blocks
 /// (the expanders) have a warp for every unit of every sender's tokens, W x Ts x linePieces, they expand all of them

@@ -59,15 +59,15 @@ std::string PhaseTrace::summary(int rank) {
     cudaGetLastError();
     return "nvlink trace: cannot read the trace slots\n";
   }
-  // Slot s's stamps, and its launch's first entry stamp (UINT64_MAX: the slot holds no launch).
+  // Slot s's stamps, and start[s], its launch's first entry stamp (UINT64_MAX: the slot holds no launch).
   auto slotAt = [&](uint32_t s) { return host.data() + static_cast<size_t>(s) * blocks_ * kTracePhases; };
-  auto launchStart = [&](const uint64_t* slot) {
-    uint64_t t0 = UINT64_MAX;
+  std::vector<uint64_t> start(kSlots, UINT64_MAX);
+  for (uint32_t s = 0; s < kSlots; ++s) {
     for (uint32_t b = 0; b < blocks_; ++b) {
-      if (slot[b * kTracePhases] != 0) t0 = std::min(t0, slot[b * kTracePhases]);
+      const uint64_t t = slotAt(s)[b * kTracePhases];
+      if (t != 0) start[s] = std::min(start[s], t);
     }
-    return t0;
-  };
+  }
   std::ostringstream out;
   for (int kind = 0; kind < kKinds; ++kind) {
     // first[p], last[p]: per launch, the earliest / latest block's stamp of phase p minus the launch's first entry.
@@ -76,7 +76,7 @@ std::string PhaseTrace::summary(int rank) {
     for (uint32_t s = 0; s < kSlots; ++s) {
       if (slotKind_[s] != kind) continue;
       const uint64_t* slot = slotAt(s);
-      const uint64_t t0 = launchStart(slot);
+      const uint64_t t0 = start[s];
       if (t0 == UINT64_MAX) continue;
       ++n;
       for (int p = 0; p < kTracePhases; ++p) {
@@ -110,9 +110,8 @@ std::string PhaseTrace::summary(int rank) {
         std::vector<double> at;
         for (uint32_t s = 0; s < kSlots; ++s) {
           if (slotKind_[s] != kind) continue;
-          const uint64_t* slot = slotAt(s);
-          const uint64_t t0 = launchStart(slot), t = slot[b * kTracePhases + p];
-          if (t0 != UINT64_MAX && t >= t0) at.push_back((t - t0) / 1e3);
+          const uint64_t t = slotAt(s)[b * kTracePhases + p];
+          if (start[s] != UINT64_MAX && t >= start[s]) at.push_back((t - start[s]) / 1e3);
         }
         if (at.empty()) continue;
         char buf[64];

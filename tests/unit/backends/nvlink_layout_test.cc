@@ -33,6 +33,19 @@ TEST(NvlinkLayout, PullOnlyForLargeBatchesOnSeveralRanks) {
   EXPECT_EQ(nvlink::makeGeometry(make(128, 1, 8), 66, 1).pull, 0u);
 }
 
+// The fused dispatch's roles: (B - R) / W own-token blocks (at least one), and room for them only with a payload block
+// too when there are peers.
+TEST(NvlinkLayout, FusedDispatchRoles) {
+  const nvlink::Geometry decode = nvlink::makeGeometry(make(128, 2, 8), 66);
+  EXPECT_EQ(decode.routeBlocks, 1u);
+  EXPECT_EQ(nvlink::fusedOwnBlocks(decode), 32u);  // (66 - 1) / 2
+  EXPECT_TRUE(nvlink::fusedRolesFit(decode));
+  const nvlink::Geometry tight = nvlink::makeGeometry(make(32, 2, 8), 2);
+  EXPECT_EQ(nvlink::fusedOwnBlocks(tight), 1u);
+  EXPECT_FALSE(nvlink::fusedRolesFit(tight));  // routing + own-token block, no payload block
+  EXPECT_TRUE(nvlink::fusedRolesFit(nvlink::makeGeometry(make(32, 1, 8), 2)));  // one rank needs no payload block
+}
+
 // Line mode (push mode, W > 1, K <= 32): only when EPCOMM_NVLINK_LINES=1 (automatic = plain slots, whose small fused
 // kernel is faster); the lean split of the fused dispatch (one expander warp per work unit of every sender's tokens)
 // for small batches. Its slots are whole 128-byte lines of 112 stream bytes each, its raw-index area holds W x Ts x K
