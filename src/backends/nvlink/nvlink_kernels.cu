@@ -32,8 +32,6 @@ using device::st16;
 using device::stRelaxedSys;
 using device::stRelaxedSys2;
 
-// 16-byte vectors per lane held in registers by one copy step (8 x 16 B x 32 lanes = 4 KiB in flight per warp).
-constexpr int kUnroll = 8;
 // Vectors per lane per combine work unit (see combineSendBody).
 constexpr int kChunkU = 4;
 
@@ -523,23 +521,6 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
 // lines, so a unit is kLinesPerUnit = 16 lines; fewer registers than 8 vectors per lane, which the fused kernel, at
 // its register limit, cannot spare).
 constexpr int kLineUnroll = kLinesPerUnit / 4;
-
-// Plain slots: 16-byte vectors per lane in one work unit of dispatchPayload and expandTokens: kUnroll (4 KiB per
-// warp), or half of that when a full batch at kUnroll has fewer units than the kernel has warps (decode: 7 KB tokens
-// were 2 units, so 128 tokens kept only half the own-token blocks' warps busy, each storing ~4 rows of 4 KiB).
-__host__ __device__ __forceinline__ uint32_t unitVectors(const Geometry& g) {
-  const uint64_t full = ceilDiv(g.hiddenBytes / 16 == 0 ? 1 : g.hiddenBytes / 16, 32 * kUnroll);
-  return static_cast<uint64_t>(g.slotsPerSender) * g.worldSize * full <= static_cast<uint64_t>(g.blocks) * kWarps
-             ? kUnroll / 2
-             : kUnroll;
-}
-
-// Plain slots: work units per token of dispatchPayload and expandTokens (pieces of 32 lanes x unitVectors(g) 16-byte
-// vectors; line mode's are linePieces()).
-__host__ __device__ __forceinline__ uint32_t tokenPieces(const Geometry& g) {
-  const uint32_t units = g.hiddenBytes / 16;
-  return units == 0 ? 1 : static_cast<uint32_t>(ceilDiv(units, 32 * unitVectors(g)));
-}
 
 // Send half, payload. Work unit = (token, piece of 32 * unitVectors(g) vectors), so a decode-sized batch spreads over
 // many warps; each unit issues all its loads (expert indices, payload vectors, scales) before the first store, so a
@@ -1202,19 +1183,6 @@ __device__ RouteEntry firstOwnEntries(const DispatchKernelArgs& a, uint32_t nOwn
   return pollEntry(a, g.rank, warpId / tokenPieces(g), threadIdx.x % 32, round);
 }
 
-// Whether the own-token blocks of the fused dispatch also expand the peers' tokens: only for more than
-// kJoinUnitsPerWarp work units per warp of the other blocks (prefill). Decided from the received token counts
-// (valid once every rank's routes are in), so every block decides the same. Measured on 2x H200: without the own
-// blocks decode T = 512 (2 units per warp) dispatched in 34.6 us instead of 37.9, but prefill T = 4096 (16 per warp)
-// in 148.8 / 153.0 us (eager / graph) instead of 145.1 / 142.8.
-constexpr uint32_t kJoinUnitsPerWarp = 4;
-
-// Whether expanding `tokens` tokens gives the warps of `blocks` blocks more than kJoinUnitsPerWarp work units each:
-// a prefill-sized round, expanded on a dynamic schedule (expandTokens).
-__host__ __device__ __forceinline__ bool manyUnitsPerWarp(const Geometry& g, uint64_t tokens, uint32_t blocks) {
-  return tokens * tokenPieces(g) > static_cast<uint64_t>(kJoinUnitsPerWarp) * blocks * kWarps;
-}
-
 __device__ bool ownBlocksJoin(const Geometry& g, const RowTables& rt, uint32_t firstLocal) {
   return manyUnitsPerWarp(g, sentTokens(rt, g.worldSize, g.rank), firstLocal);
 }
@@ -1232,12 +1200,13 @@ __device__ bool ownBlocksJoin(const Geometry& g, const RowTables& rt, uint32_t f
 // run on dynamic schedules): as one of the last steps of every block it had them start their share only after their
 // own tokens, and they finished last (trace, decode T = 128: exit of the last block 18 us against 12-14 us for the
 // others). Their count (dispatchKernel) is about (B - R) / W, the own tokens' share of the expansion. Own staging
-// slots are not written (nothing else reads them). `sendRound`: this send's number (1-based).
+// slots are not written (nothing else reads them). `sendRound`: this send's number (1-based). `kKind` (FusedKind):
+// the push kernel has static shares only; the pull kernel dynamic ones only (the own-token blocks' share too when they
+// do not join: the same result, and one expansion's code less); kFusedAny every path, chosen from g.
 template <int kKind>
 __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32_t n, uint32_t round,
                               uint32_t sendRound, uint32_t payloadBlocks) {
   const Geometry& g = a.g;
-  // The mode's code only, where the kernel is specialized (FusedKind): push has static shares only, pull its own.
   const bool pull = kKind == kFusedPull || (kKind == kFusedAny && g.pull);
   constexpr bool kStatic = kKind == kFusedPush;
   constexpr bool kDynamic = kKind == kFusedPull;
@@ -1268,7 +1237,7 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
     if (!pull) pre = firstOwnEntries(a, n, ownWarp, round, havePre);
     // Every rank's counts for this rank's experts, polled as they land (tagged words): no route flag.
     RowTables rt;
-    if (threadIdx.x >= first) {
+    if (first == 0 || threadIdx.x >= first) {  // (first == 0: push kernels, where the comparison is constant)
       rt = computeRows(local, g, smem, a.packed != 0, a.padding, round, a.st, first);
       if (first > 0) {
         int32_t* okWord = smem + rowTableWords(g);
@@ -1338,11 +1307,11 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
   }
 }
 
-// kSmall (fused only, smallFusedDispatch() on the host): push mode without line mode, every expansion on static
-// shares, so the kernel holds only that code: 79 KB of SASS instead of 377 KB for the kernel that can take every
-// path. At decode the general kernel's blocks spent microseconds fetching instructions (a routing pass of cold code,
-// expansion units of 3-4 us with no stores at all, docs/nvlink.md, fourteenth pass); the small one dispatched
-// T = 128 in 17.3-18.0 us instead of 19.9-20.4.
+// kKind (fused only, fusedDispatchKind() on the host): the kernel for one mode, compiled with that mode's code only
+// (FusedKind). The kernel that can take every path is 345 KB of SASS; at decode its blocks spent microseconds
+// fetching instructions (a routing pass of cold code, expansion units of 3-4 us with no stores at all, docs/nvlink.md,
+// fourteenth pass): the push kernel (69 KB) dispatched T = 128 in 17.3-18.0 us instead of 19.9-20.4, the pull kernel
+// (97 KB) prefill T = 4096 in 118.4-119.5 instead of 122.7-125.1 (fifteenth pass).
 template <bool kSend, bool kRecv, int kKind = kFusedAny>
 __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKernelArgs a) {
   extern __shared__ int32_t smem[];
@@ -1886,17 +1855,6 @@ const void* combineFnFor(bool doSend, bool doRecv, int partialType, int outType)
 }
 
 }  // namespace
-
-int fusedDispatchKind(const Geometry& g) {
-  if (!fusedRolesFit(g)) return kFusedAny;
-  if (g.lines != 0) return kFusedLines;
-  if (g.pull != 0) return kFusedPull;
-  // Push: the own-token blocks never join the peers' expansion (ownBlocksJoin: the peers send at most (W - 1) x Ts
-  // tokens), so static shares do.
-  const bool joins =
-      manyUnitsPerWarp(g, static_cast<uint64_t>(g.worldSize - 1) * g.slotsPerSender, g.blocks - fusedOwnBlocks(g));
-  return joins ? kFusedAny : kFusedPush;
-}
 
 KernelLaunch dispatchLaunch(const DispatchKernelArgs& args, bool doSend, bool doRecv) {
   return KernelLaunch{dispatchFnFor(doSend, doRecv, doSend && doRecv ? fusedDispatchKind(args.g) : kFusedAny),

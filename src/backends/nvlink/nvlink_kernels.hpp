@@ -126,16 +126,6 @@ struct KernelLaunch {
   uint32_t threads;
   uint32_t smemBytes;
 };
-/// Fused dispatch kernels specialized for one mode, each holding only that mode's code (instruction fetch bounded
-/// the dispatch when one kernel held every mode: docs/nvlink.md, fourteenth pass).
-enum FusedKind : int {
-  kFusedAny = 0,   ///< every mode: line mode, push with dynamic schedules, and the split fallback when roles do not fit
-  kFusedPush = 1,  ///< push mode without line mode, every expansion on static shares (decode-sized)
-  kFusedPull = 2,  ///< pull mode (prefill-sized)
-  kFusedLines = 3,  ///< line mode
-};
-/// The fused dispatch kernel for `g`.
-int fusedDispatchKind(const Geometry& g);
 /// The dispatch kernel for these halves.
 KernelLaunch dispatchLaunch(const DispatchKernelArgs& args, bool doSend, bool doRecv);
 /// The combine kernel; `partialType` is expertY's type (partials travel in it), `outType` outTokens'.
