@@ -32,8 +32,6 @@ using device::st16;
 using device::stRelaxedSys;
 using device::stRelaxedSys2;
 
-// 16-byte vectors per lane held in registers by one copy step (8 x 16 B x 32 lanes = 4 KiB in flight per warp).
-constexpr int kUnroll = 8;
 // Vectors per lane per combine work unit (see combineSendBody).
 constexpr int kChunkU = 4;
 
@@ -62,11 +60,12 @@ __device__ __forceinline__ bool aborted(const DeviceState& st) {
 }
 
 // The first error wins; later ones are dropped (the host reports one and the object refuses further use).
-// NOTE: keep it inlined. As a __noinline__ function taking `const DeviceState&` it made every kernel copy its
-// parameters to local memory (ptxas: 440-520 bytes of stack) and decode got ~10 us slower (docs/nvlink.md).
-__device__ void recordError(const DeviceState& st, int32_t phase, int32_t rank, int32_t peer, int64_t a, int64_t b) {
-  if (atomicCAS(st.claimed, 0, 1) != 0) return;
-  volatile ErrorRecord* r = st.hostError;
+// Scalar arguments: as a __noinline__ function taking `const DeviceState&` it made every kernel copy its parameters to
+// local memory (ptxas: 440-520 bytes of stack) and decode got ~10 us slower (docs/nvlink.md).
+__device__ __forceinline__ void recordErrorAt(int32_t* claimed, ErrorRecord* hostError, int32_t phase, int32_t rank,
+                                              int32_t peer, int64_t a, int64_t b) {
+  if (atomicCAS(claimed, 0, 1) != 0) return;
+  volatile ErrorRecord* r = hostError;
   r->rank = rank;
   r->peer = peer;
   r->block = static_cast<int32_t>(blockIdx.x);
@@ -76,10 +75,14 @@ __device__ void recordError(const DeviceState& st, int32_t phase, int32_t rank, 
   r->code = phase;
   __threadfence_system();
 }
+__device__ __forceinline__ void recordError(const DeviceState& st, int32_t phase, int32_t rank, int32_t peer, int64_t a,
+                                            int64_t b) {
+  recordErrorAt(st.claimed, st.hostError, phase, rank, peer, a, b);
+}
 
 // The check every 256 polls of a spin that began at `start`: true when it is to stop, because another wait failed
 // (the kernel is aborting) or because `patience` x EPCOMM_TIMEOUT_MS passed; then `expired` is true and the caller
-// records its error, which names what did not arrive. Every spin of the nvlink kernels goes through it.
+// records its error, which names what did not arrive. Line mode's spins use it; spinSlow the same checks.
 __device__ __forceinline__ bool spinStops(const DeviceState& st, uint64_t start, uint32_t patience, bool& expired) {
   expired = false;
   if (aborted(st)) return true;
@@ -87,29 +90,45 @@ __device__ __forceinline__ bool spinStops(const DeviceState& st, uint64_t start,
   return expired;
 }
 
+// The spin of spinOn once the word was not ready at the first look: out of line, so every wait inlines one load and
+// a compare, and the loop, its timeout checks and the error record exist once per kernel (code size: instruction
+// fetch bounded the decode dispatch, docs/nvlink.md, fourteenth and fifteenth passes). Returns the last value seen.
+// Every 256 polls it checks whether another wait failed (then it stops) and whether `patience` x EPCOMM_TIMEOUT_MS
+// passed: then it records (phase, peer, the value or tag seen, want) and stops. Never traps.
+template <bool kTagged>
+__device__ __noinline__ uint64_t spinSlow(const uint64_t* word, uint64_t want, int32_t* claimed, ErrorRecord* hostError,
+                                          uint64_t timeoutNs, uint32_t who) {
+  const uint64_t start = globalTimerNs();
+  for (uint32_t i = 1;; ++i) {
+    const uint64_t v = kTagged ? ldRelaxedSys(word) : ldAcquireSys(word);
+    if (kTagged ? (v >> 32) == want : v >= want) return v;
+    if ((i & 255) == 0) {
+      if (*reinterpret_cast<volatile int32_t*>(claimed) != 0) return v;
+      if (globalTimerNs() - start > (who >> 24) * timeoutNs) {
+        recordErrorAt(claimed, hostError, static_cast<int32_t>(who & 0xff), static_cast<int32_t>((who >> 8) & 0xff),
+                      static_cast<int32_t>((who >> 16) & 0xff), static_cast<int64_t>(kTagged ? v >> 32 : v),
+                      static_cast<int64_t>(want));
+        return v;
+      }
+    }
+  }
+}
+
 // Spins on *word until it is ready: a flag (acquire loads) once it reached `want`, a tagged word (tagWord, relaxed
-// loads) once its tag is `want`. `v`: the last value seen. Every 256 polls it checks whether another wait failed
-// (then false) and whether `patience` x EPCOMM_TIMEOUT_MS passed: then it records (phase, peer, the value or tag
-// seen, want) and returns false. Never traps.
+// loads) once its tag is `want`. `v`: the last value seen. False when the wait stopped (spinSlow): it timed out
+// (recorded) or another wait failed.
 template <bool kTagged>
 __device__ __forceinline__ bool spinOn(const uint64_t* word, uint64_t want, const DeviceState& st, int32_t phase,
                                        int32_t rank, int32_t peer, uint32_t patience, uint64_t& v) {
-  const auto load = [word] { return kTagged ? ldRelaxedSys(word) : ldAcquireSys(word); };
   const auto ready = [want](uint64_t x) { return kTagged ? (x >> 32) == want : x >= want; };
-  v = load();
+  v = kTagged ? ldRelaxedSys(word) : ldAcquireSys(word);
   if (ready(v)) return true;
-  const uint64_t start = globalTimerNs();
-  for (uint32_t i = 1;; ++i) {
-    v = load();
-    if (ready(v)) return true;
-    bool expired;
-    if ((i & 255) == 0 && spinStops(st, start, patience, expired)) {
-      if (expired) {
-        recordError(st, phase, rank, peer, static_cast<int64_t>(kTagged ? v >> 32 : v), static_cast<int64_t>(want));
-      }
-      return false;
-    }
-  }
+  // (phase, rank, peer, patience) in one word, a byte each (ranks < 32: the rank masks are 32-bit), so the call
+  // passes fewer registers (the fused combine kernels are at their register limit).
+  const uint32_t who = static_cast<uint32_t>(phase) | static_cast<uint32_t>(rank) << 8 |
+                       static_cast<uint32_t>(peer) << 16 | patience << 24;
+  v = spinSlow<kTagged>(word, want, st.claimed, st.hostError, st.timeoutNs, who);
+  return ready(v);
 }
 
 // Spins until *flag >= expected (see spinOn). `patience`: the timeout in units of EPCOMM_TIMEOUT_MS. A wait on this
@@ -502,23 +521,6 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
 // lines, so a unit is kLinesPerUnit = 16 lines; fewer registers than 8 vectors per lane, which the fused kernel, at
 // its register limit, cannot spare).
 constexpr int kLineUnroll = kLinesPerUnit / 4;
-
-// Plain slots: 16-byte vectors per lane in one work unit of dispatchPayload and expandTokens: kUnroll (4 KiB per
-// warp), or half of that when a full batch at kUnroll has fewer units than the kernel has warps (decode: 7 KB tokens
-// were 2 units, so 128 tokens kept only half the own-token blocks' warps busy, each storing ~4 rows of 4 KiB).
-__host__ __device__ __forceinline__ uint32_t unitVectors(const Geometry& g) {
-  const uint64_t full = ceilDiv(g.hiddenBytes / 16 == 0 ? 1 : g.hiddenBytes / 16, 32 * kUnroll);
-  return static_cast<uint64_t>(g.slotsPerSender) * g.worldSize * full <= static_cast<uint64_t>(g.blocks) * kWarps
-             ? kUnroll / 2
-             : kUnroll;
-}
-
-// Plain slots: work units per token of dispatchPayload and expandTokens (pieces of 32 lanes x unitVectors(g) 16-byte
-// vectors; line mode's are linePieces()).
-__host__ __device__ __forceinline__ uint32_t tokenPieces(const Geometry& g) {
-  const uint32_t units = g.hiddenBytes / 16;
-  return units == 0 ? 1 : static_cast<uint32_t>(ceilDiv(units, 32 * unitVectors(g)));
-}
 
 // Send half, payload. Work unit = (token, piece of 32 * unitVectors(g) vectors), so a decode-sized batch spreads over
 // many warps; each unit issues all its loads (expert indices, payload vectors, scales) before the first store, so a
@@ -1181,19 +1183,6 @@ __device__ RouteEntry firstOwnEntries(const DispatchKernelArgs& a, uint32_t nOwn
   return pollEntry(a, g.rank, warpId / tokenPieces(g), threadIdx.x % 32, round);
 }
 
-// Whether the own-token blocks of the fused dispatch also expand the peers' tokens: only for more than
-// kJoinUnitsPerWarp work units per warp of the other blocks (prefill). Decided from the received token counts
-// (valid once every rank's routes are in), so every block decides the same. Measured on 2x H200: without the own
-// blocks decode T = 512 (2 units per warp) dispatched in 34.6 us instead of 37.9, but prefill T = 4096 (16 per warp)
-// in 148.8 / 153.0 us (eager / graph) instead of 145.1 / 142.8.
-constexpr uint32_t kJoinUnitsPerWarp = 4;
-
-// Whether expanding `tokens` tokens gives the warps of `blocks` blocks more than kJoinUnitsPerWarp work units each:
-// a prefill-sized round, expanded on a dynamic schedule (expandTokens).
-__host__ __device__ __forceinline__ bool manyUnitsPerWarp(const Geometry& g, uint64_t tokens, uint32_t blocks) {
-  return tokens * tokenPieces(g) > static_cast<uint64_t>(kJoinUnitsPerWarp) * blocks * kWarps;
-}
-
 __device__ bool ownBlocksJoin(const Geometry& g, const RowTables& rt, uint32_t firstLocal) {
   return manyUnitsPerWarp(g, sentTokens(rt, g.worldSize, g.rank), firstLocal);
 }
@@ -1211,11 +1200,16 @@ __device__ bool ownBlocksJoin(const Geometry& g, const RowTables& rt, uint32_t f
 // run on dynamic schedules): as one of the last steps of every block it had them start their share only after their
 // own tokens, and they finished last (trace, decode T = 128: exit of the last block 18 us against 12-14 us for the
 // others). Their count (dispatchKernel) is about (B - R) / W, the own tokens' share of the expansion. Own staging
-// slots are not written (nothing else reads them). `sendRound`: this send's number (1-based).
-template <bool kSmall>
+// slots are not written (nothing else reads them). `sendRound`: this send's number (1-based). `kKind` (FusedKind):
+// the push kernel has static shares only; the pull kernel dynamic ones only (the own-token blocks' share too when they
+// do not join: the same result, and one expansion's code less); kFusedAny every path, chosen from g.
+template <int kKind>
 __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32_t n, uint32_t round,
                               uint32_t sendRound, uint32_t payloadBlocks) {
   const Geometry& g = a.g;
+  const bool pull = kKind == kFusedPull || (kKind == kFusedAny && g.pull);
+  constexpr bool kStatic = kKind == kFusedPush;
+  constexpr bool kDynamic = kKind == kFusedPull;
   const uint32_t B = gridDim.x, R = g.routeBlocks;
   char* local = a.peers[g.rank];
   const uint32_t firstLocal = R + payloadBlocks;
@@ -1223,13 +1217,13 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
   if (blockIdx.x >= firstLocal) {
     // Pull mode: these blocks push the pushed share of this rank's tokens into the peers, while the routes are not
     // yet in (prefill: ~20 us in which they only waited) and the payload blocks stage the rest locally.
-    if (!kSmall && g.pull && g.pushQuarters > 0) {
+    if (pull && g.pushQuarters > 0) {
       dispatchPayload<kPushedSlots>(a, n, spreadWarp(blockIdx.x - firstLocal, B - firstLocal),
                                     (B - firstLocal) * kWarps, peerRanks);
     }
     // Pull mode: warp 0 alone signals. Its fence returns once the pushed share has landed (prefill: ~20 us), and the
     // other warps meanwhile build the row tables and start on this rank's own tokens (warp 0 joins them after).
-    const uint32_t first = !kSmall && g.pull ? 32u : 0u;
+    const uint32_t first = pull ? 32u : 0u;
     if (first == 0) {
       signalAllRanks(a.peers, g, kFlagDispatch);
     } else {
@@ -1240,10 +1234,10 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
     // Push mode (decode-sized): the first unit's entries while the other ranks' counts are not in.
     bool havePre = false;
     RouteEntry pre{-1, 0};
-    if (!g.pull) pre = firstOwnEntries(a, n, ownWarp, round, havePre);
+    if (!pull) pre = firstOwnEntries(a, n, ownWarp, round, havePre);
     // Every rank's counts for this rank's experts, polled as they land (tagged words): no route flag.
     RowTables rt;
-    if (threadIdx.x >= first) {
+    if (first == 0 || threadIdx.x >= first) {  // (first == 0: push kernels, where the comparison is constant)
       rt = computeRows(local, g, smem, a.packed != 0, a.padding, round, a.st, first);
       if (first > 0) {
         int32_t* okWord = smem + rowTableWords(g);
@@ -1261,13 +1255,15 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
       for (uint32_t le = threadIdx.x; le < g.numLocalExperts; le += blockDim.x) a.outNumTokens[le] = rt.total[le];
     }
     // When they join the peers' expansion (prefill) both expansions run on dynamic schedules (expandTokens).
-    if (kSmall || !ownBlocksJoin(g, rt, firstLocal)) {
+    const bool join = !kStatic && ownBlocksJoin(g, rt, firstLocal);
+    if (!kDynamic && !join) {
       expandTokens<false>(a, rt, kExpandOwn, n, nullptr, ownWarp, ownWarps, round, pre, havePre);
       tracePoint(a.st, kTrOwnDone);
       return;
     }
     expandTokens<true>(a, rt, kExpandOwn, n, queueOf(a.st, kQueueDispatchOwn, round), ownWarp, ownWarps, round);
     tracePoint(a.st, kTrOwnDone);
+    if (!join) return;
     // The row tables are still in smem (expandTokens only reads them).
     if (!waitRanks(local, g, kFlagDispatch, peerRanks, static_cast<uint64_t>(round) * g.blocks, a.st,
                    kPhaseDispatchRecv)) {
@@ -1284,7 +1280,7 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
     tracePoint(a.st, kTrRouteSignalled);
   } else {
     const uint32_t warp = spreadWarp(blockIdx.x - R, payloadBlocks), warps = payloadBlocks * kWarps;
-    if (!kSmall && g.pull) {
+    if (pull) {
       dispatchPayload<kPulledSlots>(a, n, warp, warps, peerRanks);
     } else {
       dispatchPayload<kAllSlots>(a, n, warp, warps, peerRanks);
@@ -1303,7 +1299,7 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
     return;
   }
   tracePoint(a.st, kTrPeersIn);
-  if (!kSmall && ownBlocksJoin(g, rt, firstLocal)) {
+  if (kDynamic || (!kStatic && ownBlocksJoin(g, rt, firstLocal))) {
     expandTokens<true>(a, rt, kExpandPeers, n, queueOf(a.st, kQueueDispatchPeers, round), 0, 0, round);
   } else {
     expandTokens<false>(a, rt, kExpandPeers, n, nullptr, spreadWarp(blockIdx.x, firstLocal), firstLocal * kWarps,
@@ -1311,12 +1307,12 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
   }
 }
 
-// kSmall (fused only, smallFusedDispatch() on the host): push mode without line mode, every expansion on static
-// shares, so the kernel holds only that code: 79 KB of SASS instead of 377 KB for the kernel that can take every
-// path. At decode the general kernel's blocks spent microseconds fetching instructions (a routing pass of cold code,
-// expansion units of 3-4 us with no stores at all, docs/nvlink.md, fourteenth pass); the small one dispatched
-// T = 128 in 17.3-18.0 us instead of 19.9-20.4.
-template <bool kSend, bool kRecv, bool kSmall = false>
+// kKind (fused only, fusedDispatchKind() on the host): the kernel for one mode, compiled with that mode's code only
+// (FusedKind). The kernel that can take every path is 345 KB of SASS; at decode its blocks spent microseconds
+// fetching instructions (a routing pass of cold code, expansion units of 3-4 us with no stores at all, docs/nvlink.md,
+// fourteenth pass): the push kernel (69 KB) dispatched T = 128 in 17.3-18.0 us instead of 19.9-20.4, the pull kernel
+// (97 KB) prefill T = 4096 in 118.4-119.5 instead of 122.7-125.1 (fifteenth pass).
+template <bool kSend, bool kRecv, int kKind = kFusedAny>
 __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKernelArgs a) {
   extern __shared__ int32_t smem[];
   tracePoint(a.st, kTrEntry);
@@ -1329,15 +1325,15 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
     // this rank's tokens to the peers and then expand the peers' tokens.
     const uint32_t R = g.routeBlocks;
     const uint32_t payloadBlocks = g.worldSize > 1 && B > R ? B - R - fusedOwnBlocks(g) : 0;
-    if (kSmall || fusedRolesFit(g)) {
+    if (kKind != kFusedAny || fusedRolesFit(g)) {
       const uint32_t seqSend = a.st.seq[kSeqDispatchSend * B + blockIdx.x];
       const uint32_t round = a.st.seq[kSeqDispatchRecv * B + blockIdx.x] + 1;
       const uint32_t n = numTokensSentBy(g.rank, effectiveBound(a.boundM, a.m), g.dpSize);
       clearNextQueues(a.st, round);
-      if (!kSmall && g.lines) {
+      if (kKind == kFusedLines || (kKind == kFusedAny && g.lines)) {
         fusedDispatchLines(a, smem, n, round, seqSend + 1, payloadBlocks);
       } else {
-        fusedDispatch<kSmall>(a, smem, n, round, seqSend + 1, payloadBlocks);
+        fusedDispatch<kKind>(a, smem, n, round, seqSend + 1, payloadBlocks);
       }
       __syncthreads();
       tracePoint(a.st, kTrExit);
@@ -1834,11 +1830,21 @@ const void* combineFnMode(int partialType, int outType) {
 
 // The dispatch kernel for these halves; `small`: the fused kernel of push mode with static shares only (see
 // dispatchKernel).
-const void* dispatchFnFor(bool doSend, bool doRecv, bool small = false) {
-  return doSend && doRecv ? small ? reinterpret_cast<const void*>(dispatchKernel<true, true, true>)
-                                  : reinterpret_cast<const void*>(dispatchKernel<true, true>)
-         : doSend ? reinterpret_cast<const void*>(dispatchKernel<true, false>)
-                          : reinterpret_cast<const void*>(dispatchKernel<false, true>);
+const void* dispatchFnFor(bool doSend, bool doRecv, int kind = kFusedAny) {
+  if (doSend && doRecv) {
+    switch (kind) {
+      case kFusedPush:
+        return reinterpret_cast<const void*>(dispatchKernel<true, true, kFusedPush>);
+      case kFusedPull:
+        return reinterpret_cast<const void*>(dispatchKernel<true, true, kFusedPull>);
+      case kFusedLines:
+        return reinterpret_cast<const void*>(dispatchKernel<true, true, kFusedLines>);
+      default:
+        return reinterpret_cast<const void*>(dispatchKernel<true, true>);
+    }
+  }
+  return doSend ? reinterpret_cast<const void*>(dispatchKernel<true, false>)
+                : reinterpret_cast<const void*>(dispatchKernel<false, true>);
 }
 
 // The combine kernel for these halves and element types.
@@ -1850,15 +1856,9 @@ const void* combineFnFor(bool doSend, bool doRecv, int partialType, int outType)
 
 }  // namespace
 
-bool smallFusedDispatch(const Geometry& g) {
-  if (g.lines != 0 || g.pull != 0 || !fusedRolesFit(g)) return false;
-  // The own-token blocks never join the peers' expansion (ownBlocksJoin: the peers send at most (W - 1) x Ts tokens).
-  return !manyUnitsPerWarp(g, static_cast<uint64_t>(g.worldSize - 1) * g.slotsPerSender, g.blocks - fusedOwnBlocks(g));
-}
-
 KernelLaunch dispatchLaunch(const DispatchKernelArgs& args, bool doSend, bool doRecv) {
-  return KernelLaunch{dispatchFnFor(doSend, doRecv, doSend && doRecv && smallFusedDispatch(args.g)), args.g.blocks,
-                      kThreads, sharedBytes(args.g)};
+  return KernelLaunch{dispatchFnFor(doSend, doRecv, doSend && doRecv ? fusedDispatchKind(args.g) : kFusedAny),
+                      args.g.blocks, kThreads, sharedBytes(args.g)};
 }
 
 KernelLaunch combineLaunch(const CombineKernelArgs& args, bool doSend, bool doRecv, int partialType, int outType) {
@@ -1880,7 +1880,9 @@ int configureKernels(uint32_t bytes) {
   };
   for (const auto& h : kHalves) {
     cudaError_t e = raise(dispatchFnFor(h[0], h[1]));
-    if (e == cudaSuccess && h[0] && h[1]) e = raise(dispatchFnFor(true, true, true));
+    for (int kind = kFusedPush; kind <= kFusedLines && e == cudaSuccess && h[0] && h[1]; ++kind) {
+      e = raise(dispatchFnFor(true, true, kind));
+    }
     for (int pt = kTypeBf16; pt <= kTypeF32 && e == cudaSuccess; ++pt) {
       for (int ot = kTypeBf16; ot <= kTypeF32 && e == cudaSuccess; ++ot) e = raise(combineFnFor(h[0], h[1], pt, ot));
     }

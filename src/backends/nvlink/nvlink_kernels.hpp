@@ -126,9 +126,6 @@ struct KernelLaunch {
   uint32_t threads;
   uint32_t smemBytes;
 };
-/// Whether the fused dispatch can use its small kernel: push mode without line mode, and the own-token blocks never
-/// join the peers' expansion (static shares only). That kernel holds only this path's code.
-bool smallFusedDispatch(const Geometry& g);
 /// The dispatch kernel for these halves.
 KernelLaunch dispatchLaunch(const DispatchKernelArgs& args, bool doSend, bool doRecv);
 /// The combine kernel; `partialType` is expertY's type (partials travel in it), `outType` outTokens'.

@@ -154,6 +154,62 @@ EPCOMM_HD bool fusedRolesFit(const Geometry& g) {
   return g.blocks >= g.routeBlocks + 2 || (g.worldSize == 1 && g.blocks >= g.routeBlocks + 1);
 }
 
+/// Plain slots: 16-byte vectors per lane held in registers by one copy step (8 x 16 B x 32 lanes = 4 KiB in flight
+/// per warp).
+constexpr int kUnroll = 8;
+
+/// Plain slots: 16-byte vectors per lane in one work unit of dispatchPayload and expandTokens: kUnroll (4 KiB per
+/// warp), or half of that when a full batch at kUnroll has fewer units than the kernel has warps (decode: 7 KB tokens
+/// were 2 units, so 128 tokens kept only half the own-token blocks' warps busy, each storing ~4 rows of 4 KiB).
+EPCOMM_HD uint32_t unitVectors(const Geometry& g) {
+  const uint64_t full = ceilDiv(g.hiddenBytes / 16 == 0 ? 1 : g.hiddenBytes / 16, 32 * kUnroll);
+  return static_cast<uint64_t>(g.slotsPerSender) * g.worldSize * full <= static_cast<uint64_t>(g.blocks) * kWarps
+             ? kUnroll / 2
+             : kUnroll;
+}
+
+/// Plain slots: work units per token of dispatchPayload and expandTokens (pieces of 32 lanes x unitVectors(g)
+/// 16-byte vectors; line mode's are linePieces()).
+EPCOMM_HD uint32_t tokenPieces(const Geometry& g) {
+  const uint32_t units = g.hiddenBytes / 16;
+  return units == 0 ? 1 : static_cast<uint32_t>(ceilDiv(units, 32 * unitVectors(g)));
+}
+
+/// Whether the own-token blocks of the fused dispatch also expand the peers' tokens: only for more than
+/// kJoinUnitsPerWarp work units per warp of the other blocks (prefill). Decided from the received token counts
+/// (valid once every rank's routes are in), so every block decides the same. Measured on 2x H200: without the own
+/// blocks decode T = 512 (2 units per warp) dispatched in 34.6 us instead of 37.9, but prefill T = 4096 (16 per warp)
+/// in 148.8 / 153.0 us (eager / graph) instead of 145.1 / 142.8.
+constexpr uint32_t kJoinUnitsPerWarp = 4;
+
+/// Whether expanding `tokens` tokens gives the warps of `blocks` blocks more than kJoinUnitsPerWarp work units each:
+/// a prefill-sized round, expanded on a dynamic schedule (expandTokens).
+EPCOMM_HD bool manyUnitsPerWarp(const Geometry& g, uint64_t tokens, uint32_t blocks) {
+  return tokens * tokenPieces(g) > static_cast<uint64_t>(kJoinUnitsPerWarp) * blocks * kWarps;
+}
+
+/// The fused dispatch kernels, each holding one mode's code only: instruction fetch bounded the dispatch while one
+/// kernel held every mode (377 KB of SASS; docs/nvlink.md, fourteenth and fifteenth passes).
+enum FusedKind : int {
+  kFusedAny = 0,    ///< every path: push on dynamic schedules, and the send and receive paths in turn when the
+                    ///< roles do not fit (fusedRolesFit)
+  kFusedPush = 1,   ///< push mode, every expansion on static shares (decode-sized)
+  kFusedPull = 2,   ///< pull mode (prefill-sized), expansions on dynamic schedules
+  kFusedLines = 3,  ///< line mode
+};
+
+/// The fused dispatch kernel for `g`.
+EPCOMM_HD int fusedDispatchKind(const Geometry& g) {
+  if (!fusedRolesFit(g)) return kFusedAny;
+  if (g.lines != 0) return kFusedLines;
+  if (g.pull != 0) return kFusedPull;
+  // Push: static shares when the own-token blocks never join the peers' expansion (the peers send at most
+  // (W - 1) x Ts tokens).
+  const bool joins =
+      manyUnitsPerWarp(g, static_cast<uint64_t>(g.worldSize - 1) * g.slotsPerSender, g.blocks - fusedOwnBlocks(g));
+  return joins ? kFusedAny : kFusedPush;
+}
+
 /// Line mode's lean split of the fused dispatch (fusedDispatchLines), or 0 when the batch is too large for it: P
 /// payload blocks, enough for one work unit per warp of a sender's Ts tokens, and when the other B - R - P blocks
 /// (the expanders) have a warp for every unit of every sender's tokens, W x Ts x linePieces, they expand all of them
@@ -176,9 +232,9 @@ EPCOMM_HD uint32_t leanLinePayloadBlocks(const Geometry& g) {
 /// NVLink while the rest is staged locally, which the link would otherwise wait for. Values above 4 clamp to 4 here;
 /// EPCOMM_NVLINK_PUSH_QUARTERS outside [-1, 4] is already an error when the environment is read.
 /// `lineMode` (push mode with W > 1 and K <= 32 only): 1 on, 0 off, -1 automatic = off. Lean lines saved 0.6-2 us at
-/// decode T = 1-64 against the general push kernel (session 11), but the fused push dispatch now runs its own small
-/// kernel (smallFusedDispatch), which is ~1 us faster than lines at decode T = 1-32 (docs/nvlink.md, fourteenth
-/// pass).
+/// decode T = 1-64 against the general push kernel (session 11), but the fused push dispatch now runs a kernel of
+/// its own (kFusedPush), which is ~1 us faster than lines at decode T = 1-32 and ~3-4 us at T = 128 (docs/nvlink.md,
+/// fourteenth and fifteenth passes).
 inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1, int pushQuarters = -1,
                              int lineMode = -1) {
   Geometry g{};

@@ -46,6 +46,19 @@ TEST(NvlinkLayout, FusedDispatchRoles) {
   EXPECT_TRUE(nvlink::fusedRolesFit(nvlink::makeGeometry(make(32, 1, 8), 2)));  // one rank needs no payload block
 }
 
+// One fused dispatch kernel per mode: push (static shares) at decode, pull at prefill, lines when on; the kernel that
+// takes every path when prefill is forced to push (the own-token blocks join the peers' expansion) or the roles do not
+// fit.
+TEST(NvlinkLayout, FusedDispatchKindPerMode) {
+  EXPECT_EQ(nvlink::fusedDispatchKind(nvlink::makeGeometry(make(128, 2, 8), 66)), nvlink::kFusedPush);
+  EXPECT_EQ(nvlink::fusedDispatchKind(nvlink::makeGeometry(make(512, 2, 8), 66)), nvlink::kFusedPush);
+  EXPECT_EQ(nvlink::fusedDispatchKind(nvlink::makeGeometry(make(128, 1, 8), 66)), nvlink::kFusedPush);
+  EXPECT_EQ(nvlink::fusedDispatchKind(nvlink::makeGeometry(make(4096, 2, 8), 132)), nvlink::kFusedPull);
+  EXPECT_EQ(nvlink::fusedDispatchKind(nvlink::makeGeometry(make(4096, 2, 8), 132, 0)), nvlink::kFusedAny);
+  EXPECT_EQ(nvlink::fusedDispatchKind(nvlink::makeGeometry(make(64, 2, 8), 66, -1, -1, 1)), nvlink::kFusedLines);
+  EXPECT_EQ(nvlink::fusedDispatchKind(nvlink::makeGeometry(make(32, 2, 8), 2)), nvlink::kFusedAny);
+}
+
 // Line mode (push mode, W > 1, K <= 32): only when EPCOMM_NVLINK_LINES=1 (automatic = plain slots, whose small fused
 // kernel is faster); the lean split of the fused dispatch (one expander warp per work unit of every sender's tokens)
 // for small batches. Its slots are whole 128-byte lines of 112 stream bytes each, its raw-index area holds W x Ts x K
