@@ -1828,8 +1828,7 @@ const void* combineFnMode(int partialType, int outType) {
   }
 }
 
-// The dispatch kernel for these halves; `small`: the fused kernel of push mode with static shares only (see
-// dispatchKernel).
+// The dispatch kernel for these halves; `kind`: the fused kernel's mode (FusedKind, fusedDispatchKind).
 const void* dispatchFnFor(bool doSend, bool doRecv, int kind = kFusedAny) {
   if (doSend && doRecv) {
     switch (kind) {
