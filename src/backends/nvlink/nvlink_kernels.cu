@@ -1310,7 +1310,7 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
 // kKind (fused only, fusedDispatchKind() on the host): the kernel for one mode, compiled with that mode's code only
 // (FusedKind). The kernel that can take every path is 345 KB of SASS; at decode its blocks spent microseconds
 // fetching instructions (a routing pass of cold code, expansion units of 3-4 us with no stores at all, docs/nvlink.md,
-// fourteenth pass): the push kernel (69 KB) dispatched T = 128 in 17.3-18.0 us instead of 19.9-20.4, the pull kernel
+// fourteenth pass): the push kernel (71 KB) dispatched T = 128 in 17.3-18.0 us instead of 19.9-20.4, the pull kernel
 // (97 KB) prefill T = 4096 in 118.4-119.5 instead of 122.7-125.1 (fifteenth pass).
 template <bool kSend, bool kRecv, int kKind = kFusedAny>
 __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKernelArgs a) {
