@@ -123,7 +123,7 @@ __device__ __forceinline__ bool spinOn(const uint64_t* word, uint64_t want, cons
   const auto ready = [want](uint64_t x) { return kTagged ? (x >> 32) == want : x >= want; };
   v = kTagged ? ldRelaxedSys(word) : ldAcquireSys(word);
   if (ready(v)) return true;
-  // (phase, rank, peer, patience) in one word, a byte each (ranks < 32: the rank masks are 32-bit), so the call
+  // (phase, rank, peer, patience) in one word, a byte each (ranks < kMaxRanks = 16, peers >= 0), so the call
   // passes fewer registers (the fused combine kernels are at their register limit).
   const uint32_t who = static_cast<uint32_t>(phase) | static_cast<uint32_t>(rank) << 8 |
                        static_cast<uint32_t>(peer) << 16 | patience << 24;
