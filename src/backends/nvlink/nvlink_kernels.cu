@@ -117,13 +117,14 @@ __device__ __noinline__ uint64_t spinSlow(const uint64_t* word, uint64_t want, i
 // Spins on *word until it is ready: a flag (acquire loads) once it reached `want`, a tagged word (tagWord, relaxed
 // loads) once its tag is `want`. `v`: the last value seen. False when the wait stopped (spinSlow): it timed out
 // (recorded) or another wait failed.
+static_assert(kMaxRanks <= 256, "spinOn passes ranks to spinSlow in a byte");
 template <bool kTagged>
 __device__ __forceinline__ bool spinOn(const uint64_t* word, uint64_t want, const DeviceState& st, int32_t phase,
                                        int32_t rank, int32_t peer, uint32_t patience, uint64_t& v) {
   const auto ready = [want](uint64_t x) { return kTagged ? (x >> 32) == want : x >= want; };
   v = kTagged ? ldRelaxedSys(word) : ldAcquireSys(word);
   if (ready(v)) return true;
-  // (phase, rank, peer, patience) in one word, a byte each (ranks < kMaxRanks = 16, peers >= 0), so the call
+  // (phase, rank, peer, patience) in one word, a byte each (ranks < kMaxRanks, peers >= 0), so the call
   // passes fewer registers (the fused combine kernels are at their register limit).
   const uint32_t who = static_cast<uint32_t>(phase) | static_cast<uint32_t>(rank) << 8 |
                        static_cast<uint32_t>(peer) << 16 | patience << 24;
