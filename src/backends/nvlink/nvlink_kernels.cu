@@ -55,9 +55,10 @@ __device__ __forceinline__ uint32_t spreadWarp(uint32_t blockRel, uint32_t block
   return (threadIdx.x / 32) * blocks + blockRel;
 }
 
-__device__ __forceinline__ bool aborted(const DeviceState& st) {
-  return *reinterpret_cast<volatile int32_t*>(st.claimed) != 0;
+__device__ __forceinline__ bool abortedAt(const int32_t* claimed) {
+  return *reinterpret_cast<const volatile int32_t*>(claimed) != 0;
 }
+__device__ __forceinline__ bool aborted(const DeviceState& st) { return abortedAt(st.claimed); }
 
 // The first error wins; later ones are dropped (the host reports one and the object refuses further use).
 // Scalar arguments: as a __noinline__ function taking `const DeviceState&` it made every kernel copy its parameters to
@@ -82,12 +83,24 @@ __device__ __forceinline__ void recordError(const DeviceState& st, int32_t phase
 
 // The check every 256 polls of a spin that began at `start`: true when it is to stop, because another wait failed
 // (the kernel is aborting) or because `patience` x EPCOMM_TIMEOUT_MS passed; then `expired` is true and the caller
-// records its error, which names what did not arrive. Line mode's spins use it; spinSlow the same checks.
+// records its error, which names what did not arrive. Line mode's spins use it. (spinSlow makes the same two checks
+// itself: through this helper it took one register more, and the kernel for every path, at its limit, spilled.)
 __device__ __forceinline__ bool spinStops(const DeviceState& st, uint64_t start, uint32_t patience, bool& expired) {
   expired = false;
   if (aborted(st)) return true;
   expired = globalTimerNs() - start > patience * st.timeoutNs;
   return expired;
+}
+
+// A waited-on word: a flag (acquire loads), ready once it reached `want`, or a tagged word (tagWord, relaxed loads),
+// ready once its tag is `want`.
+template <bool kTagged>
+__device__ __forceinline__ uint64_t loadWaited(const uint64_t* word) {
+  return kTagged ? ldRelaxedSys(word) : ldAcquireSys(word);
+}
+template <bool kTagged>
+__device__ __forceinline__ bool waitedReady(uint64_t v, uint64_t want) {
+  return kTagged ? (v >> 32) == want : v >= want;
 }
 
 // The spin of spinOn once the word was not ready at the first look: out of line, so every wait inlines one load and
@@ -100,10 +113,10 @@ __device__ __noinline__ uint64_t spinSlow(const uint64_t* word, uint64_t want, i
                                           uint64_t timeoutNs, uint32_t who) {
   const uint64_t start = globalTimerNs();
   for (uint32_t i = 1;; ++i) {
-    const uint64_t v = kTagged ? ldRelaxedSys(word) : ldAcquireSys(word);
-    if (kTagged ? (v >> 32) == want : v >= want) return v;
+    const uint64_t v = loadWaited<kTagged>(word);
+    if (waitedReady<kTagged>(v, want)) return v;
     if ((i & 255) == 0) {
-      if (*reinterpret_cast<volatile int32_t*>(claimed) != 0) return v;
+      if (abortedAt(claimed)) return v;
       if (globalTimerNs() - start > (who >> 24) * timeoutNs) {
         recordErrorAt(claimed, hostError, static_cast<int32_t>(who & 0xff), static_cast<int32_t>((who >> 8) & 0xff),
                       static_cast<int32_t>((who >> 16) & 0xff), static_cast<int64_t>(kTagged ? v >> 32 : v),
@@ -114,22 +127,20 @@ __device__ __noinline__ uint64_t spinSlow(const uint64_t* word, uint64_t want, i
   }
 }
 
-// Spins on *word until it is ready: a flag (acquire loads) once it reached `want`, a tagged word (tagWord, relaxed
-// loads) once its tag is `want`. `v`: the last value seen. False when the wait stopped (spinSlow): it timed out
-// (recorded) or another wait failed.
+// Spins on *word until it is ready (waitedReady). `v`: the last value seen. False when the wait stopped (spinSlow): it
+// timed out (recorded) or another wait failed.
 static_assert(kMaxRanks <= 256, "spinOn passes ranks to spinSlow in a byte");
 template <bool kTagged>
 __device__ __forceinline__ bool spinOn(const uint64_t* word, uint64_t want, const DeviceState& st, int32_t phase,
                                        int32_t rank, int32_t peer, uint32_t patience, uint64_t& v) {
-  const auto ready = [want](uint64_t x) { return kTagged ? (x >> 32) == want : x >= want; };
-  v = kTagged ? ldRelaxedSys(word) : ldAcquireSys(word);
-  if (ready(v)) return true;
+  v = loadWaited<kTagged>(word);
+  if (waitedReady<kTagged>(v, want)) return true;
   // (phase, rank, peer, patience) in one word, a byte each (ranks < kMaxRanks, peers >= 0), so the call
   // passes fewer registers (the fused combine kernels are at their register limit).
   const uint32_t who = static_cast<uint32_t>(phase) | static_cast<uint32_t>(rank) << 8 |
                        static_cast<uint32_t>(peer) << 16 | patience << 24;
   v = spinSlow<kTagged>(word, want, st.claimed, st.hostError, st.timeoutNs, who);
-  return ready(v);
+  return waitedReady<kTagged>(v, want);
 }
 
 // Spins until *flag >= expected (see spinOn). `patience`: the timeout in units of EPCOMM_TIMEOUT_MS. A wait on this
