@@ -142,7 +142,7 @@ class NvlinkAllToAll final : public AllToAll {
     EPCOMM_CHECK_CUDA(cudaMalloc(&route_, nvlink::routeScratchBytes(geo_)));
     EPCOMM_CHECK_CUDA(cudaMemset(route_, 0, nvlink::routeScratchBytes(geo_)));
     EPCOMM_CHECK_CUDA(cudaMalloc(&rowSlots_, nvlink::rowSlotBytes(geo_)));
-    EPCOMM_CHECK_CUDA(cudaMemset(rowSlots_, 0xff, nvlink::rowSlotBytes(geo_)));
+    EPCOMM_CHECK_CUDA(cudaMemset(rowSlots_, 0xff, nvlink::rowSlotBytes(geo_)));  // every word kNoRowSlot
     EPCOMM_CHECK_CUDA(
         cudaHostAlloc(reinterpret_cast<void**>(&hostError_), sizeof(nvlink::ErrorRecord), cudaHostAllocMapped));
     std::memset(hostError_, 0, sizeof(nvlink::ErrorRecord));

@@ -942,10 +942,10 @@ __device__ void expandLines(const DispatchKernelArgs& a, const LineTables& lt, u
     if (piece == 0 && lane < K) {
       const uint64_t at = (static_cast<uint64_t>(s) * Ts + j) * K + lane;
       const uint32_t e = static_cast<uint32_t>(reinterpret_cast<const uint64_t*>(local + g.offRawIdx)[at]);
-      uint64_t slot = ~0ull;
+      uint64_t slot = kNoRowSlot;
       if (e != 0xFFFFFFFFu && e / g.numLocalExperts == g.rank) {
         const uint32_t le = e % g.numLocalExperts;
-        slot = static_cast<uint64_t>(le) << 32 | static_cast<uint32_t>(rowOf(lt, u, le));
+        slot = rowSlot(le, static_cast<uint32_t>(rowOf(lt, u, le)));
       }
       a.st.rowSlots[at] = slot;
     }
@@ -1136,11 +1136,11 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
     for (uint32_t k0 = 0; k0 < K; k0 += 32) {
       const RouteEntry e = k0 == 0 ? e0 : k0 + lane < K ? entry(s, j, k0 + lane) : RouteEntry{-1, 0};
       int64_t rowOff = -1, scaleOff = 0;
-      uint64_t slot = ~0ull;
+      uint64_t slot = kNoRowSlot;
       if (e.le >= 0) {
         const int32_t le = e.le & ~kDupBit;
         const int64_t idx = rt.rowBase[le] + rt.senderBase[s * L + le] + e.pos;
-        slot = static_cast<uint64_t>(le) << 32 | static_cast<uint32_t>(idx);
+        slot = rowSlot(static_cast<uint32_t>(le), static_cast<uint32_t>(idx));
         if ((e.le & kDupBit) == 0) {
           rowOff = le * a.outExpertStrideBytes + idx * a.outRowStrideBytes;
           scaleOff = le * a.outScaleStrideBytes[0] + idx * a.outScaleStrideBytes[1];
@@ -1543,7 +1543,7 @@ __device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt,
       if (k < K) {
         // The row the dispatch gave this entry (DeviceState::rowSlots; a repeated expert's entries share it).
         const uint64_t slot = a.st.rowSlots[(static_cast<uint64_t>(s) * Ts + j) * K + k];
-        if (slot != ~0ull) {
+        if (slot != kNoRowSlot) {
           const int64_t le = static_cast<int64_t>(slot >> 32), idx = static_cast<uint32_t>(slot);
           yOff[h] = le * a.yExpertStride + idx * a.yRowStride;
           // The unit's slice of this row into L2 now: the rows are summed one after the other below, so without it

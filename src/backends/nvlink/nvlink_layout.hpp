@@ -309,6 +309,10 @@ inline uint64_t routeScratchBytes(const Geometry& g) {
 inline uint64_t rowSlotBytes(const Geometry& g) {
   return static_cast<uint64_t>(g.worldSize) * g.slotsPerSender * g.topK * sizeof(uint64_t);
 }
+/// A rowSlots word: the entry's local expert and its row there, or kNoRowSlot (the expert is on another rank; the
+/// buffer starts filled with it).
+constexpr uint64_t kNoRowSlot = ~0ull;
+EPCOMM_HD uint64_t rowSlot(uint32_t le, uint32_t row) { return static_cast<uint64_t>(le) << 32 | row; }
 
 /// Line mode: the receivers' tables (computeLineTables), i32 words: first token of each sender [W + 1], expert totals
 /// and first rows [2][L], per 32 tokens and expert the tokens' bits and the rows before them [2][ceil(W Ts / 32)][L],
