@@ -34,8 +34,7 @@ const std::vector<EnvVar>& envVars() {
       {"EPCOMM_NVLINK_LINES", "-1",
        "nvlink backend, push mode: 1 = tokens travel as tagged 128-byte lines and receivers rank the senders' tokens "
        "themselves (no flag, no fence), 0 = plain slots behind a flag, -1 = automatic (plain slots: since the fused "
-       "push "
-       "dispatch has its own small kernel it is faster at every size)"},
+       "push dispatch has its own small kernel it is faster at every size)"},
       {"EPCOMM_NVLINK_GRAPH_LAUNCH", "1",
        "nvlink backend: 1 = an eager call whose arguments repeat launches its kernel as a cached one-node CUDA graph "
        "(made at the second such call; calls on a capturing stream always launch plainly), 0 = plain launches"},
