@@ -23,13 +23,13 @@
 
 namespace {
 
-#define PROBE_CHECK(x)                                                                             \
-  do {                                                                                             \
-    cudaError_t e_ = (x);                                                                          \
-    if (e_ != cudaSuccess) {                                                                       \
-      std::fprintf(stderr, "launch-probe: %s failed: %s\n", #x, cudaGetErrorString(e_));          \
-      return 1;                                                                                    \
-    }                                                                                              \
+#define PROBE_CHECK(x)                                                                   \
+  do {                                                                                   \
+    cudaError_t e_ = (x);                                                                \
+    if (e_ != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "launch-probe: %s failed: %s\n", #x, cudaGetErrorString(e_)); \
+      return 1;                                                                          \
+    }                                                                                    \
   } while (0)
 
 struct Params {
@@ -112,7 +112,8 @@ int main(int argc, char** argv) {
   CUfunction fn = nullptr;
   PROBE_CHECK(cudaGetFuncBySymbol(reinterpret_cast<cudaFunction_t*>(&fn), reinterpret_cast<const void*>(&emptyParams)));
   size_t bufBytes = sizeof(Params);
-  void* extra[] = {CU_LAUNCH_PARAM_BUFFER_POINTER, &params, CU_LAUNCH_PARAM_BUFFER_SIZE, &bufBytes, CU_LAUNCH_PARAM_END};
+  void* extra[] = {CU_LAUNCH_PARAM_BUFFER_POINTER, &params, CU_LAUNCH_PARAM_BUFFER_SIZE, &bufBytes,
+                   CU_LAUNCH_PARAM_END};
 
   cudaGraph_t graph;
   cudaGraphExec_t exec;
@@ -141,22 +142,28 @@ int main(int argc, char** argv) {
   const CUstream cs = reinterpret_cast<CUstream>(s);
   std::vector<Path> paths = {
       {"nothing between the events", [] { return cudaSuccess; }},
-      {"<<<1, 32>>> bare", [&] { emptyBare<<<1, 32, 0, s>>>(); return cudaGetLastError(); }},
-      {"<<<>>> bare, dispatch grid", [&] { emptyBare<<<blocks, 512, 0, s>>>(); return cudaGetLastError(); }},
-      {"cudaLaunchKernel", [&] {
+      {"<<<1, 32>>> bare",
+       [&] {
+         emptyBare<<<1, 32, 0, s>>>();
+         return cudaGetLastError();
+       }},
+      {"<<<>>> bare, dispatch grid",
+       [&] {
+         emptyBare<<<blocks, 512, 0, s>>>();
+         return cudaGetLastError();
+       }},
+      {"cudaLaunchKernel",
+       [&] {
          return cudaLaunchKernel(reinterpret_cast<const void*>(&emptyParams), dim3(blocks), dim3(512), args, smem, s);
        }},
       {"cudaLaunchKernelEx", [&] { return cudaLaunchKernelEx(&cfg, emptyParams, params); }},
-      {"cuLaunchKernel (argument pointers)", [&] {
-         return static_cast<cudaError_t>(cuLaunchKernel(fn, blocks, 1, 1, 512, 1, 1, smem, cs, args, nullptr));
-       }},
-      {"cuLaunchKernel (one argument buffer)", [&] {
-         return static_cast<cudaError_t>(cuLaunchKernel(fn, blocks, 1, 1, 512, 1, 1, smem, cs, nullptr, extra));
-       }},
+      {"cuLaunchKernel (argument pointers)",
+       [&] { return static_cast<cudaError_t>(cuLaunchKernel(fn, blocks, 1, 1, 512, 1, 1, smem, cs, args, nullptr)); }},
+      {"cuLaunchKernel (one argument buffer)",
+       [&] { return static_cast<cudaError_t>(cuLaunchKernel(fn, blocks, 1, 1, 512, 1, 1, smem, cs, nullptr, extra)); }},
       {"cudaGraphLaunch (one node)", [&] { return cudaGraphLaunch(exec, s); }},
-      {"cuGraphLaunch (one node)", [&] {
-         return static_cast<cudaError_t>(cuGraphLaunch(reinterpret_cast<CUgraphExec>(exec), cs));
-       }},
+      {"cuGraphLaunch (one node)",
+       [&] { return static_cast<cudaError_t>(cuGraphLaunch(reinterpret_cast<CUgraphExec>(exec), cs)); }},
   };
   std::printf("# launch-probe: %d blocks x 512 threads, %zu B of parameters, %u KB of shared memory; medians of %d\n",
               blocks, sizeof(Params), smem >> 10, iters);
