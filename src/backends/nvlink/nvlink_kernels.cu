@@ -1285,11 +1285,10 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
     expandTokens<true>(a, rt, kExpandPeers, n, queueOf(a.st, kQueueDispatchPeers, round), 0, 0, round);
     return;
   }
-  if (blockIdx.x < R) {
+  const bool router = blockIdx.x < R;
+  if (router) {
     if (!dispatchRouting(a, n, smem, blockIdx.x, sendRound)) return;
     tracePoint(a.st, kTrRouted);
-    signalAllRanks(a.peers, g, kFlagDispatch);  // its share of the B dispatch increments; the routes are tagged
-    tracePoint(a.st, kTrRouteSignalled);
   } else {
     const uint32_t warp = spreadWarp(blockIdx.x - R, payloadBlocks), warps = payloadBlocks * kWarps;
     if (pull) {
@@ -1298,12 +1297,27 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
       dispatchPayload<kAllSlots>(a, n, warp, warps, peerRanks);
     }
     tracePoint(a.st, kTrStored);
-    signalAllRanks(a.peers, g, kFlagDispatch);
-    tracePoint(a.st, kTrSignalled);
   }
-  if (peerRanks == 0) return;
-  // The routing tables in smem are dead here (signalAllRanks' barrier orders their last reads before the rebuild).
-  const RowTables rt = computeRows(local, g, smem, a.packed != 0, a.padding, round, a.st);
+  // The block's share of the B dispatch increments (the routes are tagged words). Thread 0's fence returns only once
+  // the link has drained the copy (decode T = 128: ~3 us after the last store), so warps 1-15 meanwhile poll every
+  // rank's counts and build the row tables (named barrier 1), and warp 0 joins after a hand-off barrier: the tables
+  // are ready when the fence returns instead of ~1.4 us after (trace). The barrier orders every warp's stores before
+  // the fence (cumulative) and the routing tables' last reads in smem before the rebuild.
+  __syncthreads();
+  RowTables rt;
+  if (threadIdx.x < 32) {
+    if (threadIdx.x == 0) signalRanks(a.peers, g, kFlagDispatch);
+    tracePoint(a.st, router ? kTrRouteSignalled : kTrSignalled);
+    if (peerRanks == 0) return;
+    asm volatile("bar.sync %0, %1;" ::"n"(kHandoffBarrier), "r"(blockDim.x) : "memory");
+    rt = rowTablesAt(g, smem, smem[rowTableWords(g)] != 0);
+  } else {
+    if (peerRanks == 0) return;
+    rt = computeRows(local, g, smem, a.packed != 0, a.padding, round, a.st, 32);
+    if (threadIdx.x == 32) smem[rowTableWords(g)] = rt.ok ? 1 : 0;
+    groupSync(32);  // the word before the hand-off
+    asm volatile("bar.arrive %0, %1;" ::"n"(kHandoffBarrier), "r"(blockDim.x) : "memory");
+  }
   if (!rt.ok) return;
   tracePoint(a.st, kTrRows);
   if (!waitRanks(local, g, kFlagDispatch, peerRanks, static_cast<uint64_t>(round) * g.blocks, a.st,
