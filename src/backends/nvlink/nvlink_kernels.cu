@@ -1195,6 +1195,24 @@ __device__ RouteEntry firstOwnEntries(const DispatchKernelArgs& a, uint32_t nOwn
   return pollEntry(a, g.rank, warpId / tokenPieces(g), threadIdx.x % 32, round);
 }
 
+// The row tables built by the threads [first, blockDim.x) while warp 0 does something else (a fence that waits for
+// the link), handed to warp 0 at the hand-off barrier: the group calls rowsForHandoff (first > 0: it publishes the
+// result word and arrives), warp 0 handedRows (it waits there). With first == 0 every thread builds them.
+__device__ RowTables rowsForHandoff(const DispatchKernelArgs& a, uint32_t round, int32_t* smem, uint32_t first) {
+  const Geometry& g = a.g;
+  const RowTables rt = computeRows(a.peers[g.rank], g, smem, a.packed != 0, a.padding, round, a.st, first);
+  if (first > 0) {
+    if (threadIdx.x == first) smem[rowTableWords(g)] = rt.ok ? 1 : 0;
+    groupSync(first);  // the word before the hand-off
+    asm volatile("bar.arrive %0, %1;" ::"n"(kHandoffBarrier), "r"(blockDim.x) : "memory");
+  }
+  return rt;
+}
+__device__ RowTables handedRows(const Geometry& g, int32_t* smem) {
+  asm volatile("bar.sync %0, %1;" ::"n"(kHandoffBarrier), "r"(blockDim.x) : "memory");
+  return rowTablesAt(g, smem, smem[rowTableWords(g)] != 0);
+}
+
 __device__ bool ownBlocksJoin(const Geometry& g, const RowTables& rt, uint32_t firstLocal) {
   return manyUnitsPerWarp(g, sentTokens(rt, g.worldSize, g.rank), firstLocal);
 }
@@ -1248,19 +1266,9 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
     RouteEntry pre{-1, 0};
     if (!pull) pre = firstOwnEntries(a, n, ownWarp, round, havePre);
     // Every rank's counts for this rank's experts, polled as they land (tagged words): no route flag.
-    RowTables rt;
-    if (first == 0 || threadIdx.x >= first) {  // (first == 0: push kernels, where the comparison is constant)
-      rt = computeRows(local, g, smem, a.packed != 0, a.padding, round, a.st, first);
-      if (first > 0) {
-        int32_t* okWord = smem + rowTableWords(g);
-        if (threadIdx.x == first) *okWord = rt.ok ? 1 : 0;
-        groupSync(first);  // the word before the hand-off
-        asm volatile("bar.arrive %0, %1;" ::"n"(kHandoffBarrier), "r"(blockDim.x) : "memory");
-      }
-    } else {
-      asm volatile("bar.sync %0, %1;" ::"n"(kHandoffBarrier), "r"(blockDim.x) : "memory");
-      rt = rowTablesAt(g, smem, smem[rowTableWords(g)] != 0);
-    }
+    // (first == 0: push kernels, where the comparison is constant)
+    const RowTables rt =
+        first == 0 || threadIdx.x >= first ? rowsForHandoff(a, round, smem, first) : handedRows(g, smem);
     if (!rt.ok) return;
     tracePoint(a.st, kTrRoutesIn);
     if (blockIdx.x == firstLocal) {
@@ -1285,11 +1293,10 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
     expandTokens<true>(a, rt, kExpandPeers, n, queueOf(a.st, kQueueDispatchPeers, round), 0, 0, round);
     return;
   }
-  if (blockIdx.x < R) {
+  const bool router = blockIdx.x < R;
+  if (router) {
     if (!dispatchRouting(a, n, smem, blockIdx.x, sendRound)) return;
     tracePoint(a.st, kTrRouted);
-    signalAllRanks(a.peers, g, kFlagDispatch);  // its share of the B dispatch increments; the routes are tagged
-    tracePoint(a.st, kTrRouteSignalled);
   } else {
     const uint32_t warp = spreadWarp(blockIdx.x - R, payloadBlocks), warps = payloadBlocks * kWarps;
     if (pull) {
@@ -1298,12 +1305,20 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
       dispatchPayload<kAllSlots>(a, n, warp, warps, peerRanks);
     }
     tracePoint(a.st, kTrStored);
-    signalAllRanks(a.peers, g, kFlagDispatch);
-    tracePoint(a.st, kTrSignalled);
+  }
+  // The block's share of the B dispatch increments (the routes are tagged words). Thread 0's fence returns only once
+  // the link has drained the copy (decode T = 128: ~3 us after the last store), so warps 1-15 meanwhile poll every
+  // rank's counts and build the row tables, and warp 0 takes them at the hand-off (rowsForHandoff). When thread 0
+  // still polled its share of the counts after its fence, the tables were in ~1.4 us after it (trace; decode T = 128
+  // -1.2 to -1.5 us eager, docs/nvlink.md, sixteenth pass). The barrier orders every warp's stores before the fence
+  // (cumulative) and the routing tables' last reads in smem before the rebuild.
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    if (threadIdx.x == 0) signalRanks(a.peers, g, kFlagDispatch);
+    tracePoint(a.st, router ? kTrRouteSignalled : kTrSignalled);
   }
   if (peerRanks == 0) return;
-  // The routing tables in smem are dead here (signalAllRanks' barrier orders their last reads before the rebuild).
-  const RowTables rt = computeRows(local, g, smem, a.packed != 0, a.padding, round, a.st);
+  const RowTables rt = threadIdx.x < 32 ? handedRows(g, smem) : rowsForHandoff(a, round, smem, 32);
   if (!rt.ok) return;
   tracePoint(a.st, kTrRows);
   if (!waitRanks(local, g, kFlagDispatch, peerRanks, static_cast<uint64_t>(round) * g.blocks, a.st,
