@@ -1254,12 +1254,7 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
     // Pull mode: warp 0 alone signals. Its fence returns once the pushed share has landed (prefill: ~20 us), and the
     // other warps meanwhile build the row tables and start on this rank's own tokens (warp 0 joins them after).
     const uint32_t first = pull ? 32u : 0u;
-    if (first == 0) {
-      signalAllRanks(a.peers, g, kFlagDispatch);
-    } else {
-      __syncthreads();  // every warp's pushes before warp 0's fence (cumulative)
-      if (threadIdx.x == 0) signalRanks(a.peers, g, kFlagDispatch);
-    }
+    signalAllRanks(a.peers, g, kFlagDispatch);  // its barrier: every warp's pushes before the fence (cumulative)
     const uint32_t ownWarp = spreadWarp(blockIdx.x - firstLocal, B - firstLocal), ownWarps = (B - firstLocal) * kWarps;
     // Push mode (decode-sized): the first unit's entries while the other ranks' counts are not in.
     bool havePre = false;
@@ -1310,13 +1305,10 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
   // the link has drained the copy (decode T = 128: ~3 us after the last store), so warps 1-15 meanwhile poll every
   // rank's counts and build the row tables, and warp 0 takes them at the hand-off (rowsForHandoff). When thread 0
   // still polled its share of the counts after its fence, the tables were in ~1.4 us after it (trace; decode T = 128
-  // -1.2 to -1.5 us eager, docs/nvlink.md, sixteenth pass). The barrier orders every warp's stores before the fence
-  // (cumulative) and the routing tables' last reads in smem before the rebuild.
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    if (threadIdx.x == 0) signalRanks(a.peers, g, kFlagDispatch);
-    tracePoint(a.st, router ? kTrRouteSignalled : kTrSignalled);
-  }
+  // -1.2 to -1.5 us eager, docs/nvlink.md, sixteenth pass). signalAllRanks' barrier orders every warp's stores before
+  // the fence (cumulative) and the routing tables' last reads in smem before the rebuild.
+  signalAllRanks(a.peers, g, kFlagDispatch);
+  tracePoint(a.st, router ? kTrRouteSignalled : kTrSignalled);
   if (peerRanks == 0) return;
   const RowTables rt = threadIdx.x < 32 ? handedRows(g, smem) : rowsForHandoff(a, round, smem, 32);
   if (!rt.ok) return;
