@@ -229,11 +229,37 @@ __device__ __forceinline__ int64_t loadIndex(const void* base, int kind, const i
   return decodeIndex(base, kind, static_cast<int64_t>(t) * strides[0] + static_cast<int64_t>(k) * strides[1]);
 }
 
-__device__ __forceinline__ uint32_t effectiveBound(const int32_t* boundM, uint32_t m) {
-  if (boundM == nullptr) return m;
-  int32_t b = *boundM;
-  if (b < 0) return 0;
-  return static_cast<uint32_t>(b) < m ? static_cast<uint32_t>(b) : m;
+// The words a kernel's blocks read before their first step: the block's two round counters of the kernel's kind, the
+// device token bound (INT32_MAX without one) and whether an earlier kernel failed. Loaded together, one round trip;
+// loaded one after the other (the error claim, its branch, then the counters and the bound) they were two before the
+// first payload load, routing pass or poll of every block.
+struct Preamble {
+  uint32_t seqSend, seqRecv;
+  int32_t bound;
+  bool aborted;
+};
+__device__ __forceinline__ uint32_t ldWordGpu(const void* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ Preamble loadPreamble(const DeviceState& st, int sendCounter, int recvCounter,
+                                                 const int32_t* boundM) {
+  const uint32_t B = gridDim.x;
+  Preamble p;
+  p.seqSend = ldWordGpu(st.seq + sendCounter * B + blockIdx.x);
+  p.seqRecv = ldWordGpu(st.seq + recvCounter * B + blockIdx.x);
+  p.bound = boundM != nullptr ? static_cast<int32_t>(ldWordGpu(boundM)) : INT32_MAX;
+  uint32_t claim;
+  asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(claim) : "l"(st.claimed));
+  p.aborted = claim != 0;
+  return p;
+}
+
+// Tokens of a call with `m` rows and the preamble's bound.
+__device__ __forceinline__ uint32_t effectiveBound(int32_t bound, uint32_t m) {
+  if (bound < 0) return 0;
+  return static_cast<uint32_t>(bound) < m ? static_cast<uint32_t>(bound) : m;
 }
 
 // Per receiver: for each local expert, the first row of each sender's tokens (senderBase[s][le]) and the expert's
@@ -1335,7 +1361,8 @@ template <bool kSend, bool kRecv, int kKind = kFusedAny>
 __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKernelArgs a) {
   extern __shared__ int32_t smem[];
   tracePoint(a.st, kTrEntry);
-  if (aborted(a.st)) return;
+  const Preamble pre = loadPreamble(a.st, kSeqDispatchSend, kSeqDispatchRecv, kSend ? a.boundM : nullptr);
+  if (pre.aborted) return;
   const Geometry& g = a.g;
   const uint32_t B = gridDim.x;
   if constexpr (kSend && kRecv) {
@@ -1345,9 +1372,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
     const uint32_t R = g.routeBlocks;
     const uint32_t payloadBlocks = g.worldSize > 1 && B > R ? B - R - fusedOwnBlocks(g) : 0;
     if (kKind != kFusedAny || fusedRolesFit(g)) {
-      const uint32_t seqSend = a.st.seq[kSeqDispatchSend * B + blockIdx.x];
-      const uint32_t round = a.st.seq[kSeqDispatchRecv * B + blockIdx.x] + 1;
-      const uint32_t n = numTokensSentBy(g.rank, effectiveBound(a.boundM, a.m), g.dpSize);
+      const uint32_t seqSend = pre.seqSend;
+      const uint32_t round = pre.seqRecv + 1;
+      const uint32_t n = numTokensSentBy(g.rank, effectiveBound(pre.bound, a.m), g.dpSize);
       clearNextQueues(a.st, round);
       if (kKind == kFusedLines || (kKind == kFusedAny && g.lines)) {
         fusedDispatchLines(a, smem, n, round, seqSend + 1, payloadBlocks);
@@ -1364,8 +1391,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
     }
   }
   if constexpr (kSend) {
-    const uint32_t seq = a.st.seq[kSeqDispatchSend * B + blockIdx.x];
-    const uint32_t n = numTokensSentBy(g.rank, effectiveBound(a.boundM, a.m), g.dpSize);
+    const uint32_t seq = pre.seqSend;
+    const uint32_t n = numTokensSentBy(g.rank, effectiveBound(pre.bound, a.m), g.dpSize);
     clearNextQueues(a.st, seq + 1);
     const uint32_t R = g.routeBlocks;
     const bool router = blockIdx.x < R;
@@ -1395,7 +1422,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
     if (threadIdx.x == 0) a.st.seq[kSeqDispatchSend * B + blockIdx.x] = seq + 1;
   }
   if constexpr (kRecv) {
-    const uint32_t seq = a.st.seq[kSeqDispatchRecv * B + blockIdx.x] + 1;
+    const uint32_t seq = pre.seqRecv + 1;
     if (g.lines) {
       const LineTables lt = computeLineTables(a, smem, seq);
       if (!lt.ok) return;
@@ -1629,18 +1656,16 @@ __device__ __forceinline__ uint32_t tokenRanks(const CombineKernelArgs& a, uint3
 // tokenRanks of the warp's first combineRecvBody unit (0 without one), loaded before the wait for the partials: the
 // indices' round trip then is not in the unit's chain after the flag.
 template <int N>
-__device__ uint32_t firstRecvRanks(const CombineKernelArgs& a) {
-  const uint32_t bound = effectiveBound(a.boundM, a.m);
+__device__ uint32_t firstRecvRanks(const CombineKernelArgs& a, uint32_t bound) {
   const uint32_t chunks = static_cast<uint32_t>(ceilDiv(a.g.hiddenDim / N, 32 * kChunkU));
   const uint32_t warpId = spreadWarp(blockIdx.x, gridDim.x);
   return warpId < bound * chunks ? tokenRanks(a, bound - 1 - warpId / chunks) : 0;
 }
 
 template <typename PT, typename OT, int N>
-__device__ void combineRecvBody(const CombineKernelArgs& a, uint32_t firstRanks) {
+__device__ void combineRecvBody(const CombineKernelArgs& a, uint32_t firstRanks, uint32_t bound) {
   const Geometry& g = a.g;
   const char* local = a.peers[g.rank];
-  const uint32_t bound = effectiveBound(a.boundM, a.m);
   const uint32_t lane = threadIdx.x % 32;
   const uint32_t warpId = spreadWarp(blockIdx.x, gridDim.x), numWarps = gridDim.x * kWarps;
   const uint32_t units = g.hiddenDim / N;
@@ -1720,19 +1745,20 @@ template <bool kSend, bool kRecv, typename PT, typename OT>
 __global__ void __launch_bounds__(kThreads, 1) combineKernel(const CombineKernelArgs a) {
   extern __shared__ int32_t smem[];
   tracePoint(a.st, kTrEntry);
-  if (aborted(a.st)) return;
+  const Preamble pre = loadPreamble(a.st, kSeqCombineSend, kSeqCombineRecv, a.boundM);
+  if (pre.aborted) return;
   const Geometry& g = a.g;
   const uint32_t B = gridDim.x;
   const bool wide = g.hiddenDim % 8 == 0;
   if constexpr (kSend) {
-    const uint32_t seq = a.st.seq[kSeqCombineSend * B + blockIdx.x] + 1;
+    const uint32_t seq = pre.seqSend + 1;
     const uint32_t R = g.routeBlocks;
     if (blockIdx.x < R) {
       // The first R blocks (as many as route a dispatch: 1 for decode, 8 for a 4096-token prefill, whose weights are
       // 256 KB per rank) push this rank's router weights [n, K] to every other rank, each word tagged with this
       // round: a receiver waits for the words it needs, not for a flag, so there is no fence here and no entry
       // barrier (docs/nvlink.md, "combine without an entry barrier" for why buffer reuse needs none).
-      const uint32_t n = numTokensSentBy(g.rank, effectiveBound(a.boundM, a.mSend), g.dpSize);
+      const uint32_t n = numTokensSentBy(g.rank, effectiveBound(pre.bound, a.mSend), g.dpSize);
       const uint32_t K = g.topK;
       for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n * K; i += R * blockDim.x) {
         const uint32_t j = i / K, k = i % K;
@@ -1788,17 +1814,18 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(const CombineKernel
     if (threadIdx.x == 0) a.st.seq[kSeqCombineSend * B + blockIdx.x] = seq;
   }
   if constexpr (kRecv) {
-    const uint32_t seq = a.st.seq[kSeqCombineRecv * B + blockIdx.x] + 1;
-    const uint32_t firstRanks = wide ? firstRecvRanks<8>(a) : firstRecvRanks<4>(a);
+    const uint32_t seq = pre.seqRecv + 1;
+    const uint32_t bound = effectiveBound(pre.bound, a.m);
+    const uint32_t firstRanks = wide ? firstRecvRanks<8>(a, bound) : firstRecvRanks<4>(a, bound);
     if (!waitAllRanks(a.peers[g.rank], g, kFlagCombineDone, static_cast<uint64_t>(seq) * g.blocks, a.st,
                       kPhaseCombineRecv)) {
       return;
     }
     tracePoint(a.st, kTrPeersIn);
     if (wide) {
-      combineRecvBody<PT, OT, 8>(a, firstRanks);
+      combineRecvBody<PT, OT, 8>(a, firstRanks, bound);
     } else {
-      combineRecvBody<PT, OT, 4>(a, firstRanks);
+      combineRecvBody<PT, OT, 4>(a, firstRanks, bound);
     }
     __syncthreads();
     tracePoint(a.st, kTrExit);
