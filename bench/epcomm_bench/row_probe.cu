@@ -10,7 +10,7 @@
 // Each launch is timed inside the kernel (%globaltimer: last block's end minus first block's start). Rows of four
 // modes, `samples` launches each: {batched, packed} x {TLB warm (the same launch just before), after a kernel that
 // touched one word in every 2 MB of an 8 GiB buffer}, then both layouts with the rows written by bulk stores (TMA,
-// `expandBulk`), and with half the rows each way (`expandMixed`). Prints median and 90th percentile.
+// `expandBulk`), and with half the rows each way (`expandBulk<true>`). Prints median and 90th percentile.
 //
 // With `routed` each token has the rows of its experts among K = 8 drawn from two ranks' (0-8, 4 on average), as at
 // EP2.
@@ -75,7 +75,10 @@ __global__ void expand(const int4* src, char* dst, const int64_t* rowOff, uint32
 
 // The same units, but each warp's 2 KB go from registers into its shared-memory slice once and the TMA unit stores
 // them into the rows (cp.async.bulk, one instruction per row): do bulk stores leave an SM faster than 16 vector
-// stores per lane?
+// stores per lane? With kHalfVector both paths leave the SM at once: of a unit's rows (in lane order) the odd ones go
+// by bulk stores and the even ones by vector stores from registers. Does an SM write rows faster when its LSU and its
+// TMA unit share them?
+template <bool kHalfVector>
 __global__ void expandBulk(const int4* src, char* dst, const int64_t* rowOff, uint32_t tokens, uint64_t* stamps) {
   extern __shared__ int4 stage[];  // [kWarps][kUnitBytes / 16]
   const uint64_t t0 = globalTimer();
@@ -86,44 +89,6 @@ __global__ void expandBulk(const int4* src, char* dst, const int64_t* rowOff, ui
     const uint32_t t = u / kPieces, p = u % kPieces;
     const uint32_t vecs = min(kUnitBytes, kRowBytes - p * kUnitBytes) / 16;
     // The slice is free again once the previous unit's bulk stores have read it.
-    if (lane < kMaxRows) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-    __syncwarp();
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t c = lane + 32 * i;
-      if (c < vecs) mine[c] = src[(static_cast<uint64_t>(t) * kRowBytes + p * kUnitBytes) / 16 + c];
-    }
-    const int64_t off = lane < kMaxRows ? rowOff[t * kMaxRows + lane] : -1;
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncwarp();
-    if (off >= 0) {
-      const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(mine));
-      char* row = dst + off + p * kUnitBytes;
-      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(row), "r"(s), "r"(vecs * 16)
-                   : "memory");
-      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-    }
-  }
-  if (lane < kMaxRows) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    stamps[2 * blockIdx.x] = t0;
-    stamps[2 * blockIdx.x + 1] = globalTimer();
-  }
-}
-
-// Both paths out of the SM at once: each unit staged as in expandBulk, then of its rows (in lane order) the odd ones
-// go by bulk stores (TMA) and the even ones by vector stores from registers. Does an SM write rows faster when its
-// LSU and its TMA unit share them?
-__global__ void expandMixed(const int4* src, char* dst, const int64_t* rowOff, uint32_t tokens, uint64_t* stamps) {
-  extern __shared__ int4 stage[];  // [kWarps][kUnitBytes / 16]
-  const uint64_t t0 = globalTimer();
-  const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int4* mine = stage + warp * (kUnitBytes / 16);
-  const uint32_t w = warp * gridDim.x + blockIdx.x;
-  for (uint32_t u = w; u < tokens * kPieces; u += gridDim.x * kWarps) {
-    const uint32_t t = u / kPieces, p = u % kPieces;
-    const uint32_t vecs = min(kUnitBytes, kRowBytes - p * kUnitBytes) / 16;
     if (lane < kMaxRows) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
     __syncwarp();
     int4 v[4];
@@ -141,21 +106,23 @@ __global__ void expandMixed(const int4* src, char* dst, const int64_t* rowOff, u
     const uint32_t rowsMask = __ballot_sync(0xffffffffu, off >= 0);
     uint32_t below;
     asm("mov.u32 %0, %%lanemask_lt;" : "=r"(below));
-    if (off >= 0 && (__popc(rowsMask & below) & 1)) {
+    if (off >= 0 && (!kHalfVector || (__popc(rowsMask & below) & 1))) {
       const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(mine));
       char* row = dst + off + p * kUnitBytes;
       asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(row), "r"(s), "r"(vecs * 16)
                    : "memory");
       asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     }
-    uint32_t i = 0;
-    for (uint32_t m = rowsMask; m != 0; m &= m - 1, ++i) {
-      if (i & 1) continue;
-      int4* row = reinterpret_cast<int4*>(dst + __shfl_sync(0xffffffffu, off, __ffs(m) - 1) + p * kUnitBytes);
+    if constexpr (kHalfVector) {
+      uint32_t i = 0;
+      for (uint32_t m = rowsMask; m != 0; m &= m - 1, ++i) {
+        if (i & 1) continue;
+        int4* row = reinterpret_cast<int4*>(dst + __shfl_sync(0xffffffffu, off, __ffs(m) - 1) + p * kUnitBytes);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const uint32_t c = lane + 32 * k;
-        if (c < vecs) row[c] = v[k];
+        for (int k = 0; k < 4; ++k) {
+          const uint32_t c = lane + 32 * k;
+          if (c < vecs) row[c] = v[k];
+        }
       }
     }
   }
@@ -273,25 +240,21 @@ int main(int argc, char** argv) {
       }
     }
   }
-  // Bulk stores (expandBulk), TLB warm (the previous sample's launch), both layouts.
-  PROBE_CHECK(cudaFuncSetAttribute(expandBulk, cudaFuncAttributeMaxDynamicSharedMemorySize, kWarps * kUnitBytes));
-  for (int layout = 0; layout < 2; ++layout) {
-    auto launch = [&] {
-      expandBulk<<<blocks, kThreads, kWarps * kUnitBytes>>>(src, dst, offs[layout], tokens, stamps);
-    };
-    if (measure(
-            names[layout], "bulk stores (TMA), warm", [] {}, launch))
-      return 2;
-  }
-  // Half the rows by bulk stores, half by vector stores (expandMixed), TLB warm, both layouts.
-  PROBE_CHECK(cudaFuncSetAttribute(expandMixed, cudaFuncAttributeMaxDynamicSharedMemorySize, kWarps * kUnitBytes));
-  for (int layout = 0; layout < 2; ++layout) {
-    auto launch = [&] {
-      expandMixed<<<blocks, kThreads, kWarps * kUnitBytes>>>(src, dst, offs[layout], tokens, stamps);
-    };
-    if (measure(
-            names[layout], "half TMA, half vector", [] {}, launch))
-      return 2;
+  // Bulk stores (expandBulk), then half the rows each way (expandBulk<true>), TLB warm (the previous sample's
+  // launch), both layouts.
+  using Kernel = void (*)(const int4*, char*, const int64_t*, uint32_t, uint64_t*);
+  const Kernel bulk[2] = {expandBulk<false>, expandBulk<true>};
+  const char* bulkNames[2] = {"bulk stores (TMA), warm", "half TMA, half vector"};
+  for (int mode = 0; mode < 2; ++mode) {
+    PROBE_CHECK(cudaFuncSetAttribute(bulk[mode], cudaFuncAttributeMaxDynamicSharedMemorySize, kWarps * kUnitBytes));
+    for (int layout = 0; layout < 2; ++layout) {
+      auto launch = [&] {
+        bulk[mode]<<<blocks, kThreads, kWarps * kUnitBytes>>>(src, dst, offs[layout], tokens, stamps);
+      };
+      if (measure(
+              names[layout], bulkNames[mode], [] {}, launch))
+        return 2;
+    }
   }
   return 0;
 }
