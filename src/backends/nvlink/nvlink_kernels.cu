@@ -250,6 +250,7 @@ __device__ __forceinline__ Preamble loadPreamble(const DeviceState& st, int send
   p.seqSend = ldWordGpu(st.seq + sendCounter * B + blockIdx.x);
   p.seqRecv = ldWordGpu(st.seq + recvCounter * B + blockIdx.x);
   p.bound = boundM != nullptr ? static_cast<int32_t>(ldWordGpu(boundM)) : INT32_MAX;
+  // abortedAt's load, written as asm like the three above so that the four stay in this order, before any use.
   uint32_t claim;
   asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(claim) : "l"(st.claimed));
   p.aborted = claim != 0;
