@@ -1,6 +1,6 @@
-// Shared by the single-process probes (line_probe.cu, queue_probe.cu, link_probe.cu, row_probe.cu): the exit status for
-// "this machine cannot run the probe" (ctest's SKIP_RETURN_CODE), a CUDA call check that prints the failure and
-// returns 2 from main, the two-GPU check and the span of per-block time stamps.
+// Shared by the single-process probes (line_probe.cu, queue_probe.cu, link_probe.cu, row_probe.cu, smid_probe.cu): the
+// exit status for "this machine cannot run the probe" (ctest's SKIP_RETURN_CODE), a CUDA call check that prints the
+// failure and returns 2 from main, the two-GPU check and the span of per-block time stamps.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -16,16 +16,9 @@
 #include <cstdio>
 #include <vector>
 
-namespace {
+#include "probe_check.hpp"
 
-#define PROBE_CHECK(x)                                                                 \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "smid-probe: %s failed: %s\n", #x, cudaGetErrorString(e_)); \
-      return 1;                                                                        \
-    }                                                                                  \
-  } while (0)
+namespace {
 
 struct Stamp {
   uint32_t sm;
@@ -82,7 +75,7 @@ int main() {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     std::printf("smid-probe: no GPU, skipped\n");
-    return 77;
+    return probe::kSkipped;
   }
   int sms = 0;
   PROBE_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -106,10 +99,10 @@ int main() {
     }
     return 0;
   };
-  if (run("half the SMs x 512 threads (1 per SM)", sms / 2, 512) != 0) return 1;
-  if (run("every SM x 512 threads (1 per SM)", sms, 512) != 0) return 1;
-  if (run("every SM x 256 threads (up to 2 per SM)", sms, 256) != 0) return 1;
-  if (run("two per SM x 256 threads (up to 2 per SM)", 2 * sms, 256) != 0) return 1;
+  if (run("half the SMs x 512 threads (1 per SM)", sms / 2, 512) != 0) return 2;
+  if (run("every SM x 512 threads (1 per SM)", sms, 512) != 0) return 2;
+  if (run("every SM x 256 threads (up to 2 per SM)", sms, 256) != 0) return 2;
+  if (run("two per SM x 256 threads (up to 2 per SM)", 2 * sms, 256) != 0) return 2;
   // Two objects in flight: two grids of `sms` blocks x 256 threads on two streams.
   cudaStream_t a, b;
   PROBE_CHECK(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking));
