@@ -21,16 +21,10 @@
 #include <functional>
 #include <vector>
 
-namespace {
+#include "probe_check.hpp"
+#include "spin.hpp"
 
-#define PROBE_CHECK(x)                                                                   \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "launch-probe: %s failed: %s\n", #x, cudaGetErrorString(e_)); \
-      return 1;                                                                          \
-    }                                                                                    \
-  } while (0)
+namespace {
 
 struct Params {
   uint64_t words[56];  // 448 bytes, the dispatch kernel's argument block
@@ -38,16 +32,6 @@ struct Params {
 
 __global__ void emptyParams(const Params) {}
 __global__ void emptyBare() {}
-
-__global__ void spin(unsigned ns) {
-  uint64_t t0;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  for (;;) {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    if (t - t0 >= ns) break;
-  }
-}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -67,7 +51,7 @@ bool timeLaunch(const std::function<cudaError_t()>& launch, cudaStream_t s, int 
   for (int pass = 0; pass < 2; ++pass) {
     for (int i = 0; i < iters + 20; ++i) {
       cudaDeviceSynchronize();
-      if (pass == 1) spin<<<1, 1, 0, s>>>(20000);
+      if (pass == 1) epcommBenchSpin(s, 20000);
       cudaEventRecord(e0, s);
       const auto h0 = std::chrono::steady_clock::now();
       const cudaError_t e = launch();
@@ -98,7 +82,7 @@ int main(int argc, char** argv) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
     std::printf("launch-probe: no GPU, skipped\n");
-    return 77;
+    return probe::kSkipped;
   }
   int sms = 0;
   PROBE_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -170,7 +154,7 @@ int main(int argc, char** argv) {
   std::printf("%-40s %10s %10s %10s\n", "path", "eager us", "host us", "device us");
   for (const Path& p : paths) {
     Row r{};
-    if (!timeLaunch(p.launch, s, iters, r)) return 1;
+    if (!timeLaunch(p.launch, s, iters, r)) return 2;
     std::printf("%-40s %10.2f %10.2f %10.2f\n", p.name, r.eager, r.host, r.device);
   }
   cudaGraphExecDestroy(exec);

@@ -56,17 +56,11 @@
 #include "fill.hpp"
 #include "reference/reference.hpp"
 #include "shm_barrier.hpp"
+#include "spin.hpp"
 #ifdef EPCOMM_HAVE_HOST_BACKEND
 #include "backends/host/host_all_to_all.hpp"
 #include "fabric_baseline.hpp"
 #endif
-
-void epcommBenchSpin(cudaStream_t stream, unsigned nanoseconds);
-void epcommBenchFillNearOne(cudaStream_t stream, uint16_t* y, uint64_t n, uint64_t seed);
-void epcommBenchEmpty(cudaStream_t stream, int blocks);
-void epcommBenchEmptyLike(cudaStream_t stream, int blocks, unsigned smemBytes);
-void epcommBenchFlagPing(cudaStream_t stream, int blocks, uint64_t* nextFlag, const uint64_t* myFlag, uint64_t round);
-void epcommBenchStoreProbe(cudaStream_t stream, int blocks, char* dst, int n, int stride, uint64_t* out);
 
 namespace epcomm {
 namespace {

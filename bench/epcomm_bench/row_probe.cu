@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "epcomm/device/ptx.cuh"
 #include "probe_check.hpp"
 
 namespace {
@@ -36,15 +37,12 @@ constexpr uint32_t kMaxRows = 8;  // rows per token at most (K = 8)
 constexpr uint32_t kPieces = (kRowBytes + kUnitBytes - 1) / kUnitBytes;
 constexpr uint64_t kThrashBytes = 8ull << 30, kPage = 2ull << 20;
 
-__device__ __forceinline__ uint64_t globalTimer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+using epcomm::device::globalTimerNs;
+using epcomm::device::laneMaskLt;
 
 // rowOff[t * kMaxRows + i]: byte offset of token t's i-th row in dst, or -1 (fewer rows).
 __global__ void expand(const int4* src, char* dst, const int64_t* rowOff, uint32_t tokens, uint64_t* stamps) {
-  const uint64_t t0 = globalTimer();
+  const uint64_t t0 = globalTimerNs();
   const uint32_t lane = threadIdx.x % 32;
   const uint32_t w = (threadIdx.x / 32) * gridDim.x + blockIdx.x;  // block-fastest, as the dispatch spreads units
   for (uint32_t u = w; u < tokens * kPieces; u += gridDim.x * kWarps) {
@@ -69,7 +67,7 @@ __global__ void expand(const int4* src, char* dst, const int64_t* rowOff, uint32
   __syncthreads();
   if (threadIdx.x == 0) {
     stamps[2 * blockIdx.x] = t0;
-    stamps[2 * blockIdx.x + 1] = globalTimer();
+    stamps[2 * blockIdx.x + 1] = globalTimerNs();
   }
 }
 
@@ -81,7 +79,7 @@ __global__ void expand(const int4* src, char* dst, const int64_t* rowOff, uint32
 template <bool kHalfVector>
 __global__ void expandBulk(const int4* src, char* dst, const int64_t* rowOff, uint32_t tokens, uint64_t* stamps) {
   extern __shared__ int4 stage[];  // [kWarps][kUnitBytes / 16]
-  const uint64_t t0 = globalTimer();
+  const uint64_t t0 = globalTimerNs();
   const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   int4* mine = stage + warp * (kUnitBytes / 16);
   const uint32_t w = warp * gridDim.x + blockIdx.x;
@@ -104,9 +102,7 @@ __global__ void expandBulk(const int4* src, char* dst, const int64_t* rowOff, ui
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncwarp();
     const uint32_t rowsMask = __ballot_sync(0xffffffffu, off >= 0);
-    uint32_t below;
-    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(below));
-    if (off >= 0 && (!kHalfVector || (__popc(rowsMask & below) & 1))) {
+    if (off >= 0 && (!kHalfVector || (__popc(rowsMask & laneMaskLt()) & 1))) {
       const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(mine));
       char* row = dst + off + p * kUnitBytes;
       asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(row), "r"(s), "r"(vecs * 16)
@@ -130,7 +126,7 @@ __global__ void expandBulk(const int4* src, char* dst, const int64_t* rowOff, ui
   __syncthreads();
   if (threadIdx.x == 0) {
     stamps[2 * blockIdx.x] = t0;
-    stamps[2 * blockIdx.x + 1] = globalTimer();
+    stamps[2 * blockIdx.x + 1] = globalTimerNs();
   }
 }
 

@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "epcomm/device/ptx.cuh"
 #include "probe_check.hpp"
 
 namespace {
@@ -26,11 +27,7 @@ struct Stamp {
   uint64_t start, end;
 };
 
-__device__ __forceinline__ uint64_t now() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+using epcomm::device::globalTimerNs;
 
 template <int kThreads, int kPerSm>
 __global__ void __launch_bounds__(kThreads, kPerSm) place(Stamp* out, unsigned spinNs) {
@@ -38,11 +35,11 @@ __global__ void __launch_bounds__(kThreads, kPerSm) place(Stamp* out, unsigned s
   if (threadIdx.x == 0) {
     uint32_t sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    const uint64_t t0 = now();
+    const uint64_t t0 = globalTimerNs();
     smem[0] = sm;
-    while (now() - t0 < spinNs) {
+    while (globalTimerNs() - t0 < spinNs) {
     }
-    out[blockIdx.x] = Stamp{sm, 0, t0, now()};
+    out[blockIdx.x] = Stamp{sm, 0, t0, globalTimerNs()};
   }
 }
 

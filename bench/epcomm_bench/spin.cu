@@ -8,6 +8,7 @@
 
 #include "epcomm/device/ptx.cuh"
 #include "fill.hpp"
+#include "spin.hpp"
 
 namespace {
 __global__ void spinKernel(unsigned nanoseconds) {
