@@ -79,11 +79,7 @@ bool timeLaunch(const std::function<cudaError_t()>& launch, cudaStream_t s, int 
 
 int main(int argc, char** argv) {
   const int iters = argc > 1 ? std::atoi(argv[1]) : 500;
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
-    std::printf("launch-probe: no GPU, skipped\n");
-    return probe::kSkipped;
-  }
+  if (const int skip = probe::oneGpu("launch-probe")) return skip;
   int sms = 0;
   PROBE_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int blocks = std::max(1, sms / 2);

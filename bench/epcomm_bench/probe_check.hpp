@@ -1,6 +1,6 @@
-// Shared by the single-process probes (line_probe.cu, queue_probe.cu, link_probe.cu, row_probe.cu, smid_probe.cu): the
+// Shared by the single-process probes (line, queue, link, row, launch and smid probes, bench/epcomm_bench/*_probe.cu): the
 // exit status for "this machine cannot run the probe" (ctest's SKIP_RETURN_CODE), a CUDA call check that prints the
-// failure and returns 2 from main, the two-GPU check and the span of per-block time stamps.
+// failure and returns 2 from main, the one- and two-GPU checks and the span of per-block time stamps.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,6 +13,16 @@
 namespace probe {
 
 constexpr int kSkipped = 77;
+
+// 0 when there is a GPU, else kSkipped (the reason printed as `name`'s).
+inline int oneGpu(const char* name) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count < 1) {
+    std::printf("%s: no GPU, skipped\n", name);
+    return kSkipped;
+  }
+  return 0;
+}
 
 // 0 when GPUs 0 and 1 exist and can access each other's memory, else kSkipped (the reason printed as `name`'s).
 inline int twoPeerGpus(const char* name) {

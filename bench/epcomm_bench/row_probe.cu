@@ -146,11 +146,7 @@ int main(int argc, char** argv) {
   // "routed": each token draws K = 8 distinct experts of 2 L (two ranks' experts) and has a row for those below L
   // (0-8 rows, 4 on average, as at EP2); otherwise exactly 4 distinct local experts per token.
   const bool routed = argc > 4 && std::string(argv[4]) == "routed";
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n < 1) {
-    std::printf("expand-row-probe: no GPU, skipped\n");
-    return probe::kSkipped;
-  }
+  if (const int skip = probe::oneGpu("expand-row-probe")) return skip;
   if (tokens == 0 || tokens > kRowsPerExpert || blocks == 0 || samples <= 0) {
     std::fprintf(stderr, "expand-row-probe: tokens in [1, %u], blocks and samples > 0\n", kRowsPerExpert);
     return 2;

@@ -69,11 +69,7 @@ void summarize(const char* name, const std::vector<Stamp>& s, int sms) {
 }  // namespace
 
 int main() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    std::printf("smid-probe: no GPU, skipped\n");
-    return probe::kSkipped;
-  }
+  if (const int skip = probe::oneGpu("smid-probe")) return skip;
   int sms = 0;
   PROBE_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   PROBE_CHECK(cudaFuncSetAttribute(place<512, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, 120 * 1024));
