@@ -22,6 +22,14 @@ __device__ __forceinline__ int32_t ldAcquireGpu(const int32_t* addr) {
   return v;
 }
 
+/// Relaxed (strong) 32-bit load at GPU scope, with no memory clobber: a kernel's first words (its round counters, the
+/// device token bound), which nothing of its own wrote before, issued together with the loads around them.
+__device__ __forceinline__ uint32_t ldRelaxedGpu(const void* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
 /// Stores a 64-bit flag with release semantics at system scope.
 __device__ __forceinline__ void stReleaseSys(uint64_t* addr, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(v) : "memory");

@@ -24,6 +24,7 @@ using device::laneMaskLt;
 using device::ldAcquireGpu;
 using device::ldAcquireSys;
 using device::ldGlobalNc16;
+using device::ldRelaxedGpu;
 using device::ldRelaxedSys;
 using device::ldVolatile16;
 using device::prefetchL2;
@@ -238,18 +239,13 @@ struct Preamble {
   int32_t bound;
   bool aborted;
 };
-__device__ __forceinline__ uint32_t ldWordGpu(const void* p) {
-  uint32_t v;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
 __device__ __forceinline__ Preamble loadPreamble(const DeviceState& st, int sendCounter, int recvCounter,
                                                  const int32_t* boundM) {
   const uint32_t B = gridDim.x;
   Preamble p;
-  p.seqSend = ldWordGpu(st.seq + sendCounter * B + blockIdx.x);
-  p.seqRecv = ldWordGpu(st.seq + recvCounter * B + blockIdx.x);
-  p.bound = boundM != nullptr ? static_cast<int32_t>(ldWordGpu(boundM)) : INT32_MAX;
+  p.seqSend = ldRelaxedGpu(st.seq + sendCounter * B + blockIdx.x);
+  p.seqRecv = ldRelaxedGpu(st.seq + recvCounter * B + blockIdx.x);
+  p.bound = boundM != nullptr ? static_cast<int32_t>(ldRelaxedGpu(boundM)) : INT32_MAX;
   // abortedAt's load, written as asm like the three above so that the four stay in this order, before any use.
   uint32_t claim;
   asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(claim) : "l"(st.claimed));
