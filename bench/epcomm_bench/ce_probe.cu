@@ -89,23 +89,6 @@ __global__ void __launch_bounds__(kThreads, 1) waitKernel(uint32_t* flag, uint32
   waitAndReset(flag, 1, done);
 }
 
-// Spin barrier of the two host threads; `broken` (a side failed) releases every wait for good.
-struct Barrier {
-  std::atomic<int> count{0};
-  std::atomic<int> phase{0};
-  std::atomic<bool> broken{false};
-  void arrive() {
-    const int p = phase.load();
-    if (count.fetch_add(1) == 1) {
-      count.store(0);
-      phase.store(p + 1);
-    } else {
-      while (phase.load() == p && !broken.load()) {
-      }
-    }
-  }
-};
-
 enum Mode { kEmpty, kSmPush, kCe1d, kCe2d, kCe2dOnly, kModes };
 const char* kNames[kModes] = {"empty", "sm push", "ce 1d", "ce 2d", "ce 2d only"};
 
@@ -119,23 +102,14 @@ const char* kNames[kModes] = {"empty", "sm push", "ce 1d", "ce 2d", "ce 2d only"
       return false;                                                             \
     }                                                                           \
   } while (0)
-#define RT_OK(call)                                                                      \
-  do {                                                                                   \
-    const cudaError_t e_ = (call);                                                       \
-    if (e_ != cudaSuccess) {                                                             \
-      std::printf("%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      return false;                                                                      \
-    }                                                                                    \
-  } while (0)
-
 // The copies of one side into the other's staging, then the flag write (stream s2).
 bool enqueueCopies(const Side& me, const Side& peer, uint32_t tokens, bool twoD) {
   if (twoD) {
-    RT_OK(cudaMemcpy2DAsync(peer.staging, kSlot, me.x, kHidden, kHidden, tokens, cudaMemcpyDeviceToDevice, me.s2));
-    RT_OK(cudaMemcpy2DAsync(peer.staging + kHidden, kSlot, me.scales, kScaleBytes, kScaleBytes, tokens,
-                            cudaMemcpyDeviceToDevice, me.s2));
+    PROBE_OK(cudaMemcpy2DAsync(peer.staging, kSlot, me.x, kHidden, kHidden, tokens, cudaMemcpyDeviceToDevice, me.s2));
+    PROBE_OK(cudaMemcpy2DAsync(peer.staging + kHidden, kSlot, me.scales, kScaleBytes, kScaleBytes, tokens,
+                               cudaMemcpyDeviceToDevice, me.s2));
   } else {
-    RT_OK(
+    PROBE_OK(
         cudaMemcpyAsync(peer.staging, me.slots, static_cast<size_t>(tokens) * kSlot, cudaMemcpyDeviceToDevice, me.s2));
   }
   CU_OK(cuStreamWriteValue32(reinterpret_cast<CUstream>(me.s2), reinterpret_cast<CUdeviceptr>(peer.flag), 1,
@@ -144,18 +118,18 @@ bool enqueueCopies(const Side& me, const Side& peer, uint32_t tokens, bool twoD)
 }
 
 bool buildGraph(const Side& me, const Side& peer, uint32_t tokens, Mode mode, cudaGraphExec_t& exec) {
-  RT_OK(cudaSetDevice(me.dev));
+  PROBE_OK(cudaSetDevice(me.dev));
   cudaGraph_t g = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
-  RT_OK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-  RT_OK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
-  RT_OK(cudaStreamBeginCapture(me.s, cudaStreamCaptureModeThreadLocal));
+  PROBE_OK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+  PROBE_OK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+  PROBE_OK(cudaStreamBeginCapture(me.s, cudaStreamCaptureModeThreadLocal));
   const bool ce = mode == kCe1d || mode == kCe2d || mode == kCe2dOnly;
   if (ce) {
-    RT_OK(cudaEventRecord(fork, me.s));
-    RT_OK(cudaStreamWaitEvent(me.s2, fork, 0));
+    PROBE_OK(cudaEventRecord(fork, me.s));
+    PROBE_OK(cudaStreamWaitEvent(me.s2, fork, 0));
     if (!enqueueCopies(me, peer, tokens, mode != kCe1d)) return false;
-    RT_OK(cudaEventRecord(join, me.s2));
+    PROBE_OK(cudaEventRecord(join, me.s2));
   }
   switch (mode) {
     case kEmpty:
@@ -173,81 +147,81 @@ bool buildGraph(const Side& me, const Side& peer, uint32_t tokens, Mode mode, cu
     default:
       break;
   }
-  if (ce) RT_OK(cudaStreamWaitEvent(me.s, join, 0));
-  RT_OK(cudaStreamEndCapture(me.s, &g));
-  RT_OK(cudaGraphInstantiate(&exec, g, 0));
-  RT_OK(cudaGraphDestroy(g));
+  if (ce) PROBE_OK(cudaStreamWaitEvent(me.s, join, 0));
+  PROBE_OK(cudaStreamEndCapture(me.s, &g));
+  PROBE_OK(cudaGraphInstantiate(&exec, g, 0));
+  PROBE_OK(cudaGraphDestroy(g));
   return true;
 }
 
 // One side's loop for one mode: `us` gets this GPU's event time per iteration (warm-up dropped).
-bool sideLoop(Side& me, const Side& peer, uint32_t tokens, Mode mode, int iters, Barrier& bar,
+bool sideLoop(Side& me, const Side& peer, uint32_t tokens, Mode mode, int iters, probe::PairBarrier& bar,
               std::vector<double>& us) {
   cudaGraphExec_t exec = nullptr;
   if (!buildGraph(me, peer, tokens, mode, exec)) return false;
   cudaEvent_t e0, e1;
-  RT_OK(cudaEventCreate(&e0));
-  RT_OK(cudaEventCreate(&e1));
+  PROBE_OK(cudaEventCreate(&e0));
+  PROBE_OK(cudaEventCreate(&e1));
   for (int i = 0; i < iters + 20; ++i) {
-    RT_OK(cudaDeviceSynchronize());
+    PROBE_OK(cudaDeviceSynchronize());
     bar.arrive();
-    RT_OK(cudaEventRecord(e0, me.s));
-    RT_OK(cudaGraphLaunch(exec, me.s));
-    RT_OK(cudaEventRecord(e1, me.s));
-    RT_OK(cudaEventSynchronize(e1));
+    PROBE_OK(cudaEventRecord(e0, me.s));
+    PROBE_OK(cudaGraphLaunch(exec, me.s));
+    PROBE_OK(cudaEventRecord(e1, me.s));
+    PROBE_OK(cudaEventSynchronize(e1));
     float ms = 0;
-    RT_OK(cudaEventElapsedTime(&ms, e0, e1));
+    PROBE_OK(cudaEventElapsedTime(&ms, e0, e1));
     if (i >= 20) us.push_back(ms * 1e3);
   }
   // A kCe2dOnly round leaves the flag at 1 (nobody waits for it): clear it for the next mode.
-  RT_OK(cudaDeviceSynchronize());
+  PROBE_OK(cudaDeviceSynchronize());
   bar.arrive();
-  RT_OK(cudaMemset(me.flag, 0, sizeof(uint32_t)));
-  RT_OK(cudaDeviceSynchronize());
+  PROBE_OK(cudaMemset(me.flag, 0, sizeof(uint32_t)));
+  PROBE_OK(cudaDeviceSynchronize());
   bar.arrive();
-  RT_OK(cudaGraphExecDestroy(exec));
+  PROBE_OK(cudaGraphExecDestroy(exec));
   return true;
 }
 
-void runSide(Side& me, const Side& peer, uint32_t tokens, Mode mode, int iters, Barrier& bar, std::vector<double>& us,
-             bool& ok) {
+void runSide(Side& me, const Side& peer, uint32_t tokens, Mode mode, int iters, probe::PairBarrier& bar,
+             std::vector<double>& us, bool& ok) {
   ok = sideLoop(me, peer, tokens, mode, iters, bar, us);
   if (!ok) bar.broken.store(true);
 }
 
 bool setup(Side& side, int dev, uint32_t tokens) {
   side.dev = dev;
-  RT_OK(cudaSetDevice(dev));
-  RT_OK(cudaDeviceEnablePeerAccess(1 - dev, 0));
-  RT_OK(cudaMalloc(&side.x, static_cast<size_t>(tokens) * kHidden));
-  RT_OK(cudaMalloc(&side.scales, static_cast<size_t>(tokens) * kScaleBytes));
-  RT_OK(cudaMalloc(&side.slots, static_cast<size_t>(tokens) * kSlot));
-  RT_OK(cudaMalloc(&side.staging, static_cast<size_t>(tokens) * kSlot));
-  RT_OK(cudaMalloc(&side.flag, sizeof(uint32_t)));
-  RT_OK(cudaMalloc(&side.done, sizeof(uint32_t)));
-  RT_OK(cudaMemset(side.flag, 0, sizeof(uint32_t)));
-  RT_OK(cudaMemset(side.done, 0, sizeof(uint32_t)));
-  RT_OK(cudaMemset(side.staging, 0, static_cast<size_t>(tokens) * kSlot));
+  PROBE_OK(cudaSetDevice(dev));
+  PROBE_OK(cudaDeviceEnablePeerAccess(1 - dev, 0));
+  PROBE_OK(cudaMalloc(&side.x, static_cast<size_t>(tokens) * kHidden));
+  PROBE_OK(cudaMalloc(&side.scales, static_cast<size_t>(tokens) * kScaleBytes));
+  PROBE_OK(cudaMalloc(&side.slots, static_cast<size_t>(tokens) * kSlot));
+  PROBE_OK(cudaMalloc(&side.staging, static_cast<size_t>(tokens) * kSlot));
+  PROBE_OK(cudaMalloc(&side.flag, sizeof(uint32_t)));
+  PROBE_OK(cudaMalloc(&side.done, sizeof(uint32_t)));
+  PROBE_OK(cudaMemset(side.flag, 0, sizeof(uint32_t)));
+  PROBE_OK(cudaMemset(side.done, 0, sizeof(uint32_t)));
+  PROBE_OK(cudaMemset(side.staging, 0, static_cast<size_t>(tokens) * kSlot));
   std::vector<unsigned char> h(static_cast<size_t>(tokens) * kSlot);
   for (size_t i = 0; i < h.size(); ++i) h[i] = static_cast<unsigned char>((i * 131 + dev * 7 + 3) & 0xff);
-  RT_OK(cudaMemcpy(side.slots, h.data(), h.size(), cudaMemcpyHostToDevice));
+  PROBE_OK(cudaMemcpy(side.slots, h.data(), h.size(), cudaMemcpyHostToDevice));
   // x and scales hold the same bytes as the slots, so every mode's staging must equal `slots`.
-  RT_OK(cudaMemcpy2D(side.x, kHidden, side.slots, kSlot, kHidden, tokens, cudaMemcpyDeviceToDevice));
-  RT_OK(cudaMemcpy2D(side.scales, kScaleBytes, side.slots + kHidden, kSlot, kScaleBytes, tokens,
-                     cudaMemcpyDeviceToDevice));
-  RT_OK(cudaStreamCreateWithFlags(&side.s, cudaStreamNonBlocking));
-  RT_OK(cudaStreamCreateWithFlags(&side.s2, cudaStreamNonBlocking));
+  PROBE_OK(cudaMemcpy2D(side.x, kHidden, side.slots, kSlot, kHidden, tokens, cudaMemcpyDeviceToDevice));
+  PROBE_OK(cudaMemcpy2D(side.scales, kScaleBytes, side.slots + kHidden, kSlot, kScaleBytes, tokens,
+                        cudaMemcpyDeviceToDevice));
+  PROBE_OK(cudaStreamCreateWithFlags(&side.s, cudaStreamNonBlocking));
+  PROBE_OK(cudaStreamCreateWithFlags(&side.s2, cudaStreamNonBlocking));
   return true;
 }
 
 // Whether GPU `to`'s staging holds GPU `from`'s slots.
 bool stagingMatches(const Side& from, const Side& to, uint32_t tokens) {
   std::vector<unsigned char> a(static_cast<size_t>(tokens) * kSlot), b(a.size());
-  RT_OK(cudaSetDevice(from.dev));
-  RT_OK(cudaMemcpy(a.data(), from.slots, a.size(), cudaMemcpyDeviceToHost));
-  RT_OK(cudaSetDevice(to.dev));
-  RT_OK(cudaMemcpy(b.data(), to.staging, b.size(), cudaMemcpyDeviceToHost));
-  RT_OK(cudaMemset(to.staging, 0, b.size()));
+  PROBE_OK(cudaSetDevice(from.dev));
+  PROBE_OK(cudaMemcpy(a.data(), from.slots, a.size(), cudaMemcpyDeviceToHost));
+  PROBE_OK(cudaSetDevice(to.dev));
+  PROBE_OK(cudaMemcpy(b.data(), to.staging, b.size(), cudaMemcpyDeviceToHost));
+  PROBE_OK(cudaMemset(to.staging, 0, b.size()));
   return std::memcmp(a.data(), b.data(), a.size()) == 0;
 }
 
@@ -268,7 +242,7 @@ int main(int argc, char** argv) {
   int status = 0;
   for (int m = 0; m < kModes; ++m) {
     const Mode mode = static_cast<Mode>(m);
-    Barrier bar;
+    probe::PairBarrier bar;
     std::vector<double> us[2];
     bool ok[2] = {false, false};
     std::thread t1([&] { runSide(side[1], side[0], tokens, mode, iters, bar, us[1], ok[1]); });

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
@@ -51,6 +52,24 @@ inline double stampSpanUs(const std::vector<uint64_t>& stamps, uint64_t blocks) 
   return (hi - lo) / 1e3;
 }
 
+// The two host threads of a two-GPU probe (one per GPU) meet here before each timed iteration. `broken` (a thread
+// failed) releases every wait for good, so the other thread cannot spin forever.
+struct PairBarrier {
+  std::atomic<int> count{0};
+  std::atomic<int> phase{0};
+  std::atomic<bool> broken{false};
+  void arrive() {
+    const int p = phase.load();
+    if (count.fetch_add(1) == 1) {
+      count.store(0);
+      phase.store(p + 1);
+    } else {
+      while (phase.load() == p && !broken.load()) {
+      }
+    }
+  }
+};
+
 }  // namespace probe
 
 #define PROBE_CHECK(expr)                                                                          \
@@ -59,5 +78,15 @@ inline double stampSpanUs(const std::vector<uint64_t>& stamps, uint64_t blocks) 
     if (e_ != cudaSuccess) {                                                                       \
       std::fprintf(stderr, "%s: %s (%s:%d)\n", #expr, cudaGetErrorString(e_), __FILE__, __LINE__); \
       return 2;                                                                                    \
+    }                                                                                              \
+  } while (0)
+
+// As PROBE_CHECK, in a function that returns bool (false on the failure).
+#define PROBE_OK(expr)                                                                             \
+  do {                                                                                             \
+    cudaError_t e_ = (expr);                                                                       \
+    if (e_ != cudaSuccess) {                                                                       \
+      std::fprintf(stderr, "%s: %s (%s:%d)\n", #expr, cudaGetErrorString(e_), __FILE__, __LINE__); \
+      return false;                                                                                \
     }                                                                                              \
   } while (0)

@@ -184,22 +184,6 @@ __global__ void __launch_bounds__(kThreads, 1) waveKernel(const Args a) {
   }
 }
 
-struct Barrier {
-  std::atomic<int> count{0};
-  std::atomic<int> phase{0};
-  std::atomic<bool> broken{false};
-  void arrive() {
-    const int p = phase.load();
-    if (count.fetch_add(1) == 1) {
-      count.store(0);
-      phase.store(p + 1);
-    } else {
-      while (phase.load() == p && !broken.load()) {
-      }
-    }
-  }
-};
-
 struct Side {
   int dev = 0;
   int4 *x = nullptr, *staging = nullptr, *rowsPeer = nullptr, *rowsOwn = nullptr;
@@ -216,31 +200,22 @@ struct Config {
   unsigned long long ownGateNs;
 };
 
-#define RT_OK(call)                                                                      \
-  do {                                                                                   \
-    const cudaError_t e_ = (call);                                                       \
-    if (e_ != cudaSuccess) {                                                             \
-      std::printf("%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      return false;                                                                      \
-    }                                                                                    \
-  } while (0)
-
 bool setup(Side& side, int dev, uint32_t tokens) {
   side.dev = dev;
-  RT_OK(cudaSetDevice(dev));
-  RT_OK(cudaDeviceEnablePeerAccess(1 - dev, 0));
+  PROBE_OK(cudaSetDevice(dev));
+  PROBE_OK(cudaDeviceEnablePeerAccess(1 - dev, 0));
   const size_t slots = static_cast<size_t>(tokens) * kSlot;
-  RT_OK(cudaMalloc(&side.x, slots));
-  RT_OK(cudaMalloc(&side.staging, slots));
-  RT_OK(cudaMalloc(&side.rowsPeer, slots * kRows));
-  RT_OK(cudaMalloc(&side.rowsOwn, slots * kRows));
-  RT_OK(cudaMalloc(&side.flags, kMaxWaves * sizeof(uint32_t)));
-  RT_OK(cudaMalloc(&side.done, sizeof(uint32_t)));
-  RT_OK(cudaMalloc(&side.stamps, kBlocks * kStamps * sizeof(unsigned long long)));
-  RT_OK(cudaMemset(side.x, 1 + dev, slots));
-  RT_OK(cudaMemset(side.flags, 0, kMaxWaves * sizeof(uint32_t)));
-  RT_OK(cudaMemset(side.done, 0, sizeof(uint32_t)));
-  RT_OK(cudaStreamCreateWithFlags(&side.s, cudaStreamNonBlocking));
+  PROBE_OK(cudaMalloc(&side.x, slots));
+  PROBE_OK(cudaMalloc(&side.staging, slots));
+  PROBE_OK(cudaMalloc(&side.rowsPeer, slots * kRows));
+  PROBE_OK(cudaMalloc(&side.rowsOwn, slots * kRows));
+  PROBE_OK(cudaMalloc(&side.flags, kMaxWaves * sizeof(uint32_t)));
+  PROBE_OK(cudaMalloc(&side.done, sizeof(uint32_t)));
+  PROBE_OK(cudaMalloc(&side.stamps, kBlocks * kStamps * sizeof(unsigned long long)));
+  PROBE_OK(cudaMemset(side.x, 1 + dev, slots));
+  PROBE_OK(cudaMemset(side.flags, 0, kMaxWaves * sizeof(uint32_t)));
+  PROBE_OK(cudaMemset(side.done, 0, sizeof(uint32_t)));
+  PROBE_OK(cudaStreamCreateWithFlags(&side.s, cudaStreamNonBlocking));
   return true;
 }
 
@@ -249,29 +224,29 @@ struct Sample {
   double event = 0, exit = 0, fenced[kMaxWaves] = {}, seen[kMaxWaves] = {};
 };
 
-bool sideLoop(Side& me, const Side& peer, uint32_t tokens, const Config& c, int iters, Barrier& bar,
+bool sideLoop(Side& me, const Side& peer, uint32_t tokens, const Config& c, int iters, probe::PairBarrier& bar,
               std::vector<Sample>& out) {
-  RT_OK(cudaSetDevice(me.dev));
+  PROBE_OK(cudaSetDevice(me.dev));
   Args a{me.x,      peer.staging, peer.flags, me.staging, me.flags, me.done,  me.rowsPeer, me.rowsOwn,
          me.stamps, tokens,       c.waves,    c.ownAfter, c.expand, c.gateNs, c.join,      c.ownGateNs};
   cudaEvent_t e0, e1;
-  RT_OK(cudaEventCreate(&e0));
-  RT_OK(cudaEventCreate(&e1));
+  PROBE_OK(cudaEventCreate(&e0));
+  PROBE_OK(cudaEventCreate(&e1));
   std::vector<unsigned long long> h(kBlocks * kStamps);
   for (int i = 0; i < iters + 20; ++i) {
-    RT_OK(cudaDeviceSynchronize());
+    PROBE_OK(cudaDeviceSynchronize());
     bar.arrive();
-    RT_OK(cudaEventRecord(e0, me.s));
+    PROBE_OK(cudaEventRecord(e0, me.s));
     waveKernel<<<kBlocks, kThreads, 0, me.s>>>(a);
-    RT_OK(cudaGetLastError());
-    RT_OK(cudaEventRecord(e1, me.s));
-    RT_OK(cudaEventSynchronize(e1));
+    PROBE_OK(cudaGetLastError());
+    PROBE_OK(cudaEventRecord(e1, me.s));
+    PROBE_OK(cudaEventSynchronize(e1));
     if (i < 20) continue;
     Sample s;
     float ms = 0;
-    RT_OK(cudaEventElapsedTime(&ms, e0, e1));
+    PROBE_OK(cudaEventElapsedTime(&ms, e0, e1));
     s.event = ms * 1e3;
-    RT_OK(cudaMemcpy(h.data(), me.stamps, h.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+    PROBE_OK(cudaMemcpy(h.data(), me.stamps, h.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
     unsigned long long first = ~0ull;
     for (uint32_t b = 0; b < kBlocks; ++b) first = std::min(first, h[b * kStamps + kEntry]);
     auto rel = [&](unsigned long long t) { return t == 0 ? 0.0 : (t - first) / 1e3; };
@@ -328,7 +303,7 @@ int main(int argc, char** argv) {
               "fence3", "seen0", "seen1", "seen2", "seen3", "exit");
   int status = 0;
   for (const Config& c : configs) {
-    Barrier bar;
+    probe::PairBarrier bar;
     std::vector<Sample> out[2];
     bool ok[2] = {false, false};
     std::thread t1([&] {
