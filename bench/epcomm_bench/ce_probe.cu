@@ -92,16 +92,17 @@ __global__ void __launch_bounds__(kThreads, 1) waitKernel(uint32_t* flag, uint32
 enum Mode { kEmpty, kSmPush, kCe1d, kCe2d, kCe2dOnly, kModes };
 const char* kNames[kModes] = {"empty", "sm push", "ce 1d", "ce 2d", "ce 2d only"};
 
-#define CU_OK(call)                                                             \
-  do {                                                                          \
-    const CUresult r_ = (call);                                                 \
-    if (r_ != CUDA_SUCCESS) {                                                   \
-      const char* m_ = nullptr;                                                 \
-      cuGetErrorString(r_, &m_);                                                \
-      std::printf("%s:%d: %s: %s\n", __FILE__, __LINE__, #call, m_ ? m_ : "?"); \
-      return false;                                                             \
-    }                                                                           \
+#define CU_OK(call)                                                                      \
+  do {                                                                                   \
+    const CUresult r_ = (call);                                                          \
+    if (r_ != CUDA_SUCCESS) {                                                            \
+      const char* m_ = nullptr;                                                          \
+      cuGetErrorString(r_, &m_);                                                         \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, m_ ? m_ : "?"); \
+      return false;                                                                      \
+    }                                                                                    \
   } while (0)
+
 // The copies of one side into the other's staging, then the flag write (stream s2).
 bool enqueueCopies(const Side& me, const Side& peer, uint32_t tokens, bool twoD) {
   if (twoD) {
@@ -151,6 +152,8 @@ bool buildGraph(const Side& me, const Side& peer, uint32_t tokens, Mode mode, cu
   PROBE_OK(cudaStreamEndCapture(me.s, &g));
   PROBE_OK(cudaGraphInstantiate(&exec, g, 0));
   PROBE_OK(cudaGraphDestroy(g));
+  PROBE_OK(cudaEventDestroy(fork));
+  PROBE_OK(cudaEventDestroy(join));
   return true;
 }
 
@@ -180,6 +183,8 @@ bool sideLoop(Side& me, const Side& peer, uint32_t tokens, Mode mode, int iters,
   PROBE_OK(cudaDeviceSynchronize());
   bar.arrive();
   PROBE_OK(cudaGraphExecDestroy(exec));
+  PROBE_OK(cudaEventDestroy(e0));
+  PROBE_OK(cudaEventDestroy(e1));
   return true;
 }
 

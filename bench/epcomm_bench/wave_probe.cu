@@ -260,6 +260,8 @@ bool sideLoop(Side& me, const Side& peer, uint32_t tokens, const Config& c, int 
     }
     out.push_back(s);
   }
+  PROBE_OK(cudaEventDestroy(e0));
+  PROBE_OK(cudaEventDestroy(e1));
   return true;
 }
 
