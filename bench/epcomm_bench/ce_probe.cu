@@ -9,7 +9,8 @@
 //   empty       one kernel node (66 x 512 threads) that does nothing: the floor
 //   sm push     one kernel node: blocks [0, 33) store the slots into the peer's staging with 16-byte stores, then
 //               fence.acq_rel.sys + one relaxed system-scope add on the peer's flag (the backend's pattern); every
-//               block waits until its own flag counts 33 adds (ld.acquire.sys)
+//               block waits until its own flag counts 33 adds (ld.acquire.sys; every wait gives up after 1 s, and
+//               the mode is then reported as failed)
 //   ce 1d       a copy-engine memcpy of the slots (one contiguous run) then cuStreamWriteValue32(peer flag, 1), on a
 //               branch beside a kernel node whose blocks wait until their own flag is 1
 //   ce 2d       as ce 1d, but the payload and the scales as two pitched copies (7168 of 7168 bytes per row and 224 of
@@ -39,28 +40,23 @@ constexpr uint32_t kHidden = 7168, kScaleBytes = 224, kSlot = kHidden + kScaleBy
 
 struct Side {
   int dev = 0;
-  char* x = nullptr;         // [tokens][kHidden]
-  char* scales = nullptr;    // [tokens][kScaleBytes]
-  char* slots = nullptr;     // [tokens][kSlot], packed source for the 1d and sm modes
-  char* staging = nullptr;   // [tokens][kSlot], written by the other GPU
-  uint32_t* flag = nullptr;  // written by the other GPU
-  uint32_t* done = nullptr;  // blocks that saw the flag this round
+  char* x = nullptr;            // [tokens][kHidden]
+  char* scales = nullptr;       // [tokens][kScaleBytes]
+  char* slots = nullptr;        // [tokens][kSlot], packed source for the 1d and sm modes
+  char* staging = nullptr;      // [tokens][kSlot], written by the other GPU
+  uint64_t* flag = nullptr;     // written by the other GPU
+  uint32_t* done = nullptr;     // blocks that saw the flag this round
+  uint32_t* expired = nullptr;  // waits that gave up (waitFlagBounded)
   cudaStream_t s = nullptr, s2 = nullptr;
 };
 
-__device__ __forceinline__ uint32_t ldAcquireSys(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 __global__ void __launch_bounds__(kThreads, 1) emptyKernel() {}
 
-// Every block waits until `flag` reaches `want`; the last block to see it resets the flag and the count.
-__device__ void waitAndReset(uint32_t* flag, uint32_t want, uint32_t* done) {
+// Every block waits until `flag` reaches `want` (at most 1 s); the last block to get there resets the flag and the
+// count.
+__device__ void waitAndReset(uint64_t* flag, uint64_t want, uint32_t* done, uint32_t* expired) {
   if (threadIdx.x == 0) {
-    while (ldAcquireSys(flag) < want) {
-    }
+    probe::waitFlagBounded(flag, want, expired);
     if (atomicAdd(done, 1u) == gridDim.x - 1) {
       *done = 0;
       *flag = 0;
@@ -70,7 +66,8 @@ __device__ void waitAndReset(uint32_t* flag, uint32_t want, uint32_t* done) {
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
-    smPush(const int4* src, int4* peerStaging, uint32_t* peerFlag, uint64_t vecs, uint32_t* flag, uint32_t* done) {
+    smPush(const int4* src, int4* peerStaging, uint64_t* peerFlag, uint64_t vecs, uint64_t* flag, uint32_t* done,
+           uint32_t* expired) {
   if (blockIdx.x < kSenders) {
     for (uint64_t i = blockIdx.x * static_cast<uint64_t>(kThreads) + threadIdx.x; i < vecs;
          i += static_cast<uint64_t>(kSenders) * kThreads) {
@@ -78,15 +75,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-      asm volatile("fence.acq_rel.sys;" ::: "memory");
-      asm volatile("red.relaxed.sys.global.add.u32 [%0], 1;" ::"l"(peerFlag) : "memory");
+      epcomm::device::fenceAcqRelSys();
+      epcomm::device::redAddRelaxedSys(peerFlag, 1);
     }
   }
-  waitAndReset(flag, kSenders, done);
+  waitAndReset(flag, kSenders, done, expired);
 }
 
-__global__ void __launch_bounds__(kThreads, 1) waitKernel(uint32_t* flag, uint32_t* done) {
-  waitAndReset(flag, 1, done);
+__global__ void __launch_bounds__(kThreads, 1) waitKernel(uint64_t* flag, uint32_t* done, uint32_t* expired) {
+  waitAndReset(flag, 1, done, expired);
 }
 
 enum Mode { kEmpty, kSmPush, kCe1d, kCe2d, kCe2dOnly, kModes };
@@ -113,6 +110,7 @@ bool enqueueCopies(const Side& me, const Side& peer, uint32_t tokens, bool twoD)
     PROBE_OK(
         cudaMemcpyAsync(peer.staging, me.slots, static_cast<size_t>(tokens) * kSlot, cudaMemcpyDeviceToDevice, me.s2));
   }
+  // The flag's low word (little endian; the high word stays 0): the 32-bit write the results were measured with.
   CU_OK(cuStreamWriteValue32(reinterpret_cast<CUstream>(me.s2), reinterpret_cast<CUdeviceptr>(peer.flag), 1,
                              CU_STREAM_WRITE_VALUE_DEFAULT));
   return true;
@@ -139,11 +137,11 @@ bool buildGraph(const Side& me, const Side& peer, uint32_t tokens, Mode mode, cu
     case kSmPush:
       smPush<<<kBlocks, kThreads, 0, me.s>>>(reinterpret_cast<const int4*>(me.slots),
                                              reinterpret_cast<int4*>(peer.staging), peer.flag,
-                                             static_cast<uint64_t>(tokens) * kSlot / 16, me.flag, me.done);
+                                             static_cast<uint64_t>(tokens) * kSlot / 16, me.flag, me.done, me.expired);
       break;
     case kCe1d:
     case kCe2d:
-      waitKernel<<<kBlocks, kThreads, 0, me.s>>>(me.flag, me.done);
+      waitKernel<<<kBlocks, kThreads, 0, me.s>>>(me.flag, me.done, me.expired);
       break;
     default:
       break;
@@ -179,13 +177,13 @@ bool sideLoop(Side& me, const Side& peer, uint32_t tokens, Mode mode, int iters,
   // A kCe2dOnly round leaves the flag at 1 (nobody waits for it): clear it for the next mode.
   PROBE_OK(cudaDeviceSynchronize());
   bar.arrive();
-  PROBE_OK(cudaMemset(me.flag, 0, sizeof(uint32_t)));
+  PROBE_OK(cudaMemset(me.flag, 0, sizeof(uint64_t)));
   PROBE_OK(cudaDeviceSynchronize());
   bar.arrive();
   PROBE_OK(cudaGraphExecDestroy(exec));
   PROBE_OK(cudaEventDestroy(e0));
   PROBE_OK(cudaEventDestroy(e1));
-  return true;
+  return probe::noExpiredWaits("ce-probe", me.dev, me.expired);
 }
 
 void runSide(Side& me, const Side& peer, uint32_t tokens, Mode mode, int iters, probe::PairBarrier& bar,
@@ -202,10 +200,12 @@ bool setup(Side& side, int dev, uint32_t tokens) {
   PROBE_OK(cudaMalloc(&side.scales, static_cast<size_t>(tokens) * kScaleBytes));
   PROBE_OK(cudaMalloc(&side.slots, static_cast<size_t>(tokens) * kSlot));
   PROBE_OK(cudaMalloc(&side.staging, static_cast<size_t>(tokens) * kSlot));
-  PROBE_OK(cudaMalloc(&side.flag, sizeof(uint32_t)));
+  PROBE_OK(cudaMalloc(&side.flag, sizeof(uint64_t)));
   PROBE_OK(cudaMalloc(&side.done, sizeof(uint32_t)));
-  PROBE_OK(cudaMemset(side.flag, 0, sizeof(uint32_t)));
+  PROBE_OK(cudaMalloc(&side.expired, sizeof(uint32_t)));
+  PROBE_OK(cudaMemset(side.flag, 0, sizeof(uint64_t)));
   PROBE_OK(cudaMemset(side.done, 0, sizeof(uint32_t)));
+  PROBE_OK(cudaMemset(side.expired, 0, sizeof(uint32_t)));
   PROBE_OK(cudaMemset(side.staging, 0, static_cast<size_t>(tokens) * kSlot));
   std::vector<unsigned char> h(static_cast<size_t>(tokens) * kSlot);
   for (size_t i = 0; i < h.size(); ++i) h[i] = static_cast<unsigned char>((i * 131 + dev * 7 + 3) & 0xff);
@@ -260,15 +260,11 @@ int main(int argc, char** argv) {
     }
     std::vector<double> mx(us[0].size());
     for (size_t i = 0; i < mx.size(); ++i) mx[i] = std::max(us[0][i], us[1][i]);
-    auto med = [](std::vector<double> v) {
-      std::sort(v.begin(), v.end());
-      return v[v.size() / 2];
-    };
     const bool moved = mode != kEmpty;
     const bool match = !moved || (stagingMatches(side[0], side[1], tokens) && stagingMatches(side[1], side[0], tokens));
     if (!match) status = 1;
-    std::printf("%-12s %9.2f %9.2f %9.2f %s\n", kNames[m], med(mx), med(us[0]), med(us[1]),
-                moved ? (match ? "matches" : "WRONG") : "-");
+    std::printf("%-12s %9.2f %9.2f %9.2f %s\n", kNames[m], probe::median(mx), probe::median(us[0]),
+                probe::median(us[1]), moved ? (match ? "matches" : "WRONG") : "-");
   }
   return status;
 }

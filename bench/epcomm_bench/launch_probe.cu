@@ -33,11 +33,6 @@ struct Params {
 __global__ void emptyParams(const Params) {}
 __global__ void emptyBare() {}
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
-
 struct Row {
   double eager, host, device;
 };
@@ -71,7 +66,7 @@ bool timeLaunch(const std::function<cudaError_t()>& launch, cudaStream_t s, int 
   }
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
-  row = Row{median(eager), median(host), median(device)};
+  row = Row{probe::median(eager), probe::median(host), probe::median(device)};
   return true;
 }
 

@@ -11,6 +11,8 @@
 #include <cstdio>
 #include <vector>
 
+#include "epcomm/device/ptx.cuh"
+
 namespace probe {
 
 constexpr int kSkipped = 77;
@@ -50,6 +52,35 @@ inline double stampSpanUs(const std::vector<uint64_t>& stamps, uint64_t blocks) 
     hi = std::max(hi, stamps[2 * b + 1]);
   }
   return (hi - lo) / 1e3;
+}
+
+// The median of `v` (0 when empty).
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+// One thread of a two-GPU probe's kernel: waits until *flag >= want (acquire, system scope), at most 1 s; on expiry it
+// adds 1 to *expired (the host reports the run as failed) and returns, so a peer that never signals cannot hang it.
+__device__ __forceinline__ void waitFlagBounded(const uint64_t* flag, uint64_t want, uint32_t* expired) {
+  const uint64_t start = epcomm::device::globalTimerNs();
+  while (epcomm::device::ldAcquireSys(flag) < want) {
+    if (epcomm::device::globalTimerNs() - start > 1000000000ull) {
+      atomicAdd(expired, 1u);
+      return;
+    }
+  }
+}
+
+// Host side of waitFlagBounded: false (printed, and the count cleared for the next run) when any wait of GPU `dev`'s
+// kernels gave up since the last look.
+inline bool noExpiredWaits(const char* name, int dev, uint32_t* expired) {
+  uint32_t n = 0;
+  if (cudaMemcpy(&n, expired, sizeof(n), cudaMemcpyDeviceToHost) != cudaSuccess) return false;
+  if (n == 0) return true;
+  std::fprintf(stderr, "%s: GPU %d: %u waits for the peer's flag gave up after 1 s\n", name, dev, n);
+  cudaMemset(expired, 0, sizeof(uint32_t));
+  return false;
 }
 
 // The two host threads of a two-GPU probe (one per GPU) meet here before each timed iteration. `broken` (a thread

@@ -19,7 +19,8 @@
 //                    start, then expand this GPU's own tokens into 4 rows each (as the own-token blocks do once their
 //                    row tables are in); with `join` (one wave) they then wait for the peer's flag and take every
 //                    other unit of the peers' expansion (the payload blocks the rest).
-// The last block to finish resets the flags. Prints per configuration the median over iterations of the slower GPU's
+// Every flag wait gives up after 1 s (the configuration is then reported as failed). The last block to finish resets
+// the flags. Prints per configuration the median over iterations of the slower GPU's
 // event time and of in-kernel stamps (us since the GPU's first block started; "max" over blocks): each wave's fence
 // return, each wave's flag seen, and the exit. Never asserts a time: exits 77 without two peer GPUs.
 #include <cuda_runtime.h>
@@ -44,10 +45,11 @@ enum : int { kEntry = 0, kExit = 1, kStored = 2, kFenced = 2 + kMaxWaves, kSeen 
 struct Args {
   const int4* x;               // [tokens][kVecs]
   int4* peerStaging;           // the peer's staging
-  uint32_t* peerFlags;         // the peer's flags [kMaxWaves]
+  uint64_t* peerFlags;         // the peer's flags [kMaxWaves]
   const int4* staging;         // this GPU's staging, written by the peer
-  uint32_t* flags;             // [kMaxWaves], added to by the peer
+  uint64_t* flags;             // [kMaxWaves], added to by the peer
   uint32_t* done;              // blocks finished this round
+  uint32_t* expired;           // flag waits that gave up (probe::waitFlagBounded)
   int4* rowsPeer;              // [tokens * kRows][kVecs]
   int4* rowsOwn;               // [tokens * kRows][kVecs]
   unsigned long long* stamps;  // [kBlocks][kStamps]
@@ -57,17 +59,7 @@ struct Args {
   unsigned long long ownGateNs;  // the own blocks start their own rows no earlier than this after their start
 };
 
-__device__ __forceinline__ unsigned long long now() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ __forceinline__ uint32_t ldAcquireSys(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
+__device__ __forceinline__ unsigned long long now() { return epcomm::device::globalTimerNs(); }
 
 __device__ __forceinline__ uint32_t waveBegin(const Args& a, uint32_t w) { return a.tokens * w / a.waves; }
 
@@ -117,8 +109,8 @@ __global__ void __launch_bounds__(kThreads, 1) waveKernel(const Args a) {
         asm volatile("bar.sync %0, %1;" ::"r"(1 + w), "r"(kThreads) : "memory");
         if (threadIdx.x == 0) {
           st[kStored + w] = now();
-          asm volatile("fence.acq_rel.sys;" ::: "memory");
-          asm volatile("red.relaxed.sys.global.add.u32 [%0], 1;" ::"l"(a.peerFlags + w) : "memory");
+          epcomm::device::fenceAcqRelSys();
+          epcomm::device::redAddRelaxedSys(a.peerFlags + w, 1);
           st[kFenced + w] = now();
         }
       }
@@ -139,8 +131,7 @@ __global__ void __launch_bounds__(kThreads, 1) waveKernel(const Args a) {
       // Receive wave by wave on warps 1-15 (thread 32 polls), expanding each wave as its flag comes in.
       for (uint32_t w = 0; w < a.waves; ++w) {
         if (rt == 0) {
-          while (ldAcquireSys(a.flags + w) < kSenders) {
-          }
+          probe::waitFlagBounded(a.flags + w, kSenders, a.expired);
           st[kSeen + w] = now();
         }
         asm volatile("bar.sync %0, %1;" ::"r"(1 + kMaxWaves), "r"(kReceivers) : "memory");
@@ -152,10 +143,7 @@ __global__ void __launch_bounds__(kThreads, 1) waveKernel(const Args a) {
     }
   } else {
     if (a.ownAfter > 0) {
-      if (threadIdx.x == 0) {
-        while (ldAcquireSys(a.flags + a.ownAfter - 1) < kSenders) {
-        }
-      }
+      if (threadIdx.x == 0) probe::waitFlagBounded(a.flags + a.ownAfter - 1, kSenders, a.expired);
       __syncthreads();
     }
     if (a.ownGateNs > 0) {
@@ -166,8 +154,7 @@ __global__ void __launch_bounds__(kThreads, 1) waveKernel(const Args a) {
     if (a.expand) expand(a.x, a.rowsOwn, 0, a.tokens, warp * blocks + b, blocks * kWarps);
     if (a.join) {
       if (threadIdx.x == 0) {
-        while (ldAcquireSys(a.flags) < kSenders) {
-        }
+        probe::waitFlagBounded(a.flags, kSenders, a.expired);
         st[kSeen] = now();
       }
       __syncthreads();
@@ -187,7 +174,8 @@ __global__ void __launch_bounds__(kThreads, 1) waveKernel(const Args a) {
 struct Side {
   int dev = 0;
   int4 *x = nullptr, *staging = nullptr, *rowsPeer = nullptr, *rowsOwn = nullptr;
-  uint32_t *flags = nullptr, *done = nullptr;
+  uint64_t* flags = nullptr;
+  uint32_t *done = nullptr, *expired = nullptr;
   unsigned long long* stamps = nullptr;
   cudaStream_t s = nullptr;
 };
@@ -209,12 +197,14 @@ bool setup(Side& side, int dev, uint32_t tokens) {
   PROBE_OK(cudaMalloc(&side.staging, slots));
   PROBE_OK(cudaMalloc(&side.rowsPeer, slots * kRows));
   PROBE_OK(cudaMalloc(&side.rowsOwn, slots * kRows));
-  PROBE_OK(cudaMalloc(&side.flags, kMaxWaves * sizeof(uint32_t)));
+  PROBE_OK(cudaMalloc(&side.flags, kMaxWaves * sizeof(uint64_t)));
   PROBE_OK(cudaMalloc(&side.done, sizeof(uint32_t)));
+  PROBE_OK(cudaMalloc(&side.expired, sizeof(uint32_t)));
   PROBE_OK(cudaMalloc(&side.stamps, kBlocks * kStamps * sizeof(unsigned long long)));
   PROBE_OK(cudaMemset(side.x, 1 + dev, slots));
-  PROBE_OK(cudaMemset(side.flags, 0, kMaxWaves * sizeof(uint32_t)));
+  PROBE_OK(cudaMemset(side.flags, 0, kMaxWaves * sizeof(uint64_t)));
   PROBE_OK(cudaMemset(side.done, 0, sizeof(uint32_t)));
+  PROBE_OK(cudaMemset(side.expired, 0, sizeof(uint32_t)));
   PROBE_OK(cudaStreamCreateWithFlags(&side.s, cudaStreamNonBlocking));
   return true;
 }
@@ -227,8 +217,8 @@ struct Sample {
 bool sideLoop(Side& me, const Side& peer, uint32_t tokens, const Config& c, int iters, probe::PairBarrier& bar,
               std::vector<Sample>& out) {
   PROBE_OK(cudaSetDevice(me.dev));
-  Args a{me.x,      peer.staging, peer.flags, me.staging, me.flags, me.done,  me.rowsPeer, me.rowsOwn,
-         me.stamps, tokens,       c.waves,    c.ownAfter, c.expand, c.gateNs, c.join,      c.ownGateNs};
+  Args a{me.x,      peer.staging, peer.flags, me.staging, me.flags, me.done,  me.expired, me.rowsPeer, me.rowsOwn,
+         me.stamps, tokens,       c.waves,    c.ownAfter, c.expand, c.gateNs, c.join,     c.ownGateNs};
   cudaEvent_t e0, e1;
   PROBE_OK(cudaEventCreate(&e0));
   PROBE_OK(cudaEventCreate(&e1));
@@ -262,12 +252,7 @@ bool sideLoop(Side& me, const Side& peer, uint32_t tokens, const Config& c, int 
   }
   PROBE_OK(cudaEventDestroy(e0));
   PROBE_OK(cudaEventDestroy(e1));
-  return true;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
+  return probe::noExpiredWaits("wave-probe", me.dev, me.expired);
 }
 
 }  // namespace
@@ -330,9 +315,10 @@ int main(int argc, char** argv) {
         se[w].push_back(std::max(s0.seen[w], s1.seen[w]));
       }
     }
-    std::printf("%-26s %7.2f | %6.2f %6.2f %6.2f %6.2f | %6.2f %6.2f %6.2f %6.2f | %6.2f\n", c.name, median(ev),
-                median(fe[0]), median(fe[1]), median(fe[2]), median(fe[3]), median(se[0]), median(se[1]), median(se[2]),
-                median(se[3]), median(ex));
+    std::printf("%-26s %7.2f | %6.2f %6.2f %6.2f %6.2f | %6.2f %6.2f %6.2f %6.2f | %6.2f\n", c.name, probe::median(ev),
+                probe::median(fe[0]), probe::median(fe[1]), probe::median(fe[2]), probe::median(fe[3]),
+                probe::median(se[0]), probe::median(se[1]), probe::median(se[2]), probe::median(se[3]),
+                probe::median(ex));
   }
   return status;
 }
