@@ -733,6 +733,11 @@ __device__ bool waitGate(const DispatchKernelArgs& a, uint32_t round, uint32_t s
   return __shfl_sync(0xffffffffu, ok ? 1 : 0, 0) != 0;
 }
 
+// Warps of sendLineIndices' numWarps that have index words (they open the gate): the payload waits for this many.
+__device__ __forceinline__ uint32_t lineIndexWarps(uint32_t n, uint32_t K, uint32_t numWarps) {
+  return min(numWarps, static_cast<uint32_t>(ceilDiv(static_cast<uint64_t>(n) * K, 32)));
+}
+
 // Line mode: every token's K expert indices, as tagged words of `round`, into every rank (its own too), then the warp
 // opens the gate (the token count goes out first thing in the routing pass). The fused kernel's own-token blocks call
 // it first thing; the split send half's payload warps before their payload.
@@ -748,7 +753,9 @@ __device__ void sendLineIndices(const DispatchKernelArgs& a, uint32_t n, uint32_
     const uint64_t off = g.offRawIdx + ((static_cast<uint64_t>(g.rank) * Ts + j) * K + k) * sizeof(uint64_t);
     for (uint32_t d = 0; d < W; ++d) stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[d] + off), word);
   }
-  openGate(a.st, round);
+  // Only the warps that had index words count themselves (lineIndexWarps): when every warp of every block did, the
+  // atomics on the one word held the gate until ~3 us (decode T = 128: 720 warps, 32 of them with indices).
+  if (warpId < lineIndexWarps(n, K, numWarps)) openGate(a.st, round);
 }
 
 // Send half, line mode: per work unit (token, piece) the unit's lines into every rank in `destMask` that has one of
@@ -1014,12 +1021,12 @@ __device__ void expandLines(const DispatchKernelArgs& a, const LineTables& lt, u
 // checked) and raise the dispatch flag that the combine waits for, blocks [R, R + P) store this rank's tokens into the
 // other ranks as lines, blocks [R + P, B) (the expanders) first send this rank's indices, then build the line tables
 // (once the senders' indices land, ahead of their payload) and expand. Nothing waits for a flag or a fence.
-//   Small batches (leanLinePayloadBlocks: every sender's units fit the expanders' warps, one each, with P just enough
-//   blocks for one unit per warp of this rank's tokens): the expanders expand every token, this rank's from x and the
-//   peers' line by line as they land; the routing and payload blocks end after their stores. Building the tables right
-//   after the payload stores was their slowest step (trace, decode T = 32: tables at 8.2 us against 5.6 on the
-//   expanders: loads queue behind a block's own NVLink stores).
-//   Otherwise P = `payloadBlocks` (as in fusedDispatch) and those blocks also expand the peers' tokens.
+//   Small batches (leanLinePayloadBlocks: every sender's units fit the expanders' warps, one or two each, with P just
+//   enough blocks for as many units per warp of this rank's tokens): the expanders expand every token, this rank's from
+//   x and the peers' line by line as they land; the routing and payload blocks end after their stores. Building the
+//   tables right after the payload stores was their slowest step (trace, decode T = 32: tables at 8.2 us against 5.6 on
+//   the expanders: loads queue behind a block's own NVLink stores). Otherwise P = `payloadBlocks` (as in fusedDispatch)
+//   and those blocks also expand the peers' tokens.
 __device__ void fusedDispatchLines(const DispatchKernelArgs& a, int32_t* smem, uint32_t n, uint32_t round,
                                    uint32_t sendRound, uint32_t payloadBlocks) {
   const Geometry& g = a.g;
@@ -1036,7 +1043,7 @@ __device__ void fusedDispatchLines(const DispatchKernelArgs& a, int32_t* smem, u
     if (lean) return;
   } else if (blockIdx.x < firstLocal) {
     dispatchLines(a, n, spreadWarp(blockIdx.x - R, P), P * kWarps, allRanksMask(g) & ~(1u << g.rank), sendRound,
-                  ownWarps);
+                  lineIndexWarps(n, g.topK, ownWarps));
     tracePoint(a.st, kTrStored);
     if (lean) return;
   } else {
@@ -1053,7 +1060,7 @@ __device__ void fusedDispatchLines(const DispatchKernelArgs& a, int32_t* smem, u
     expandLines<true>(a, lt, ownWarp, ownWarps, round, false);
     tracePoint(a.st, kTrOwnDone);
     if (!lean) return;
-    // The peers' units continue where this rank's left off, so a warp takes at most one unit in all.
+    // The peers' units continue where this rank's left off, so the warps' unit counts differ by at most one.
     const uint32_t ownUnits = (static_cast<uint32_t>(lt.first[g.rank + 1] - lt.first[g.rank]) * pieces) % ownWarps;
     expandLines<false>(a, lt, (ownWarp + ownWarps - ownUnits) % ownWarps, ownWarps, round, true);
     return;
@@ -1403,7 +1410,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
       if (g.lines) {
         const uint32_t warp = spreadWarp(blk, payloadBlocks), warps = payloadBlocks * kWarps;
         sendLineIndices(a, n, warp, warps, seq + 1);
-        dispatchLines(a, n, warp, warps, allRanksMask(g), seq + 1, warps);
+        dispatchLines(a, n, warp, warps, allRanksMask(g), seq + 1, lineIndexWarps(n, g.topK, warps));
       } else {
         dispatchPayload<kAllSlots>(a, n, spreadWarp(blk, payloadBlocks), payloadBlocks * kWarps, allRanksMask(g));
       }

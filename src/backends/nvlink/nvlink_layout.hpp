@@ -211,17 +211,23 @@ EPCOMM_HD int fusedDispatchKind(const Geometry& g) {
 }
 
 /// Line mode's lean split of the fused dispatch (fusedDispatchLines), or 0 when the batch is too large for it: P
-/// payload blocks, enough for one work unit per warp of a sender's Ts tokens, and when the other B - R - P blocks
-/// (the expanders) have a warp for every unit of every sender's tokens, W x Ts x linePieces, they expand all of them
-/// and the payload blocks end after their stores. g.linesPerSlot must be set.
+/// payload blocks, enough for `per` work units per warp of a sender's Ts tokens, and when the other B - R - P blocks
+/// (the expanders) have a warp for every `per` units of every sender's tokens, W x Ts x linePieces, they expand all of
+/// them and the payload blocks end after their stores. `per` is 1 where that fits, else up to kLeanUnitsPerWarp
+/// (decode T = 128 on 2 GPUs: 20 payload and 45 expander blocks, forced line mode 17.8-19.1 us against 21.8 with the
+/// general split; docs/nvlink.md, twenty-first pass). g.linesPerSlot must be set.
+constexpr uint32_t kLeanUnitsPerWarp = 2;
 EPCOMM_HD uint32_t leanLinePayloadBlocks(const Geometry& g) {
   const uint64_t units = static_cast<uint64_t>(g.slotsPerSender) * linePieces(g);
   if (g.blocks < g.routeBlocks + 2) return 0;
-  uint64_t p = ceilDiv(units, kWarps);
-  if (p < 1) p = 1;
-  if (p > g.blocks - g.routeBlocks - 1) p = g.blocks - g.routeBlocks - 1;
-  const uint64_t expanderWarps = (g.blocks - g.routeBlocks - p) * static_cast<uint64_t>(kWarps);
-  return units * g.worldSize <= expanderWarps ? static_cast<uint32_t>(p) : 0;
+  for (uint64_t per = 1; per <= kLeanUnitsPerWarp; ++per) {
+    uint64_t p = ceilDiv(units, kWarps * per);
+    if (p < 1) p = 1;
+    if (p > g.blocks - g.routeBlocks - 1) p = g.blocks - g.routeBlocks - 1;
+    const uint64_t expanderWarps = (g.blocks - g.routeBlocks - p) * static_cast<uint64_t>(kWarps);
+    if (units * g.worldSize <= expanderWarps * per) return static_cast<uint32_t>(p);
+  }
+  return 0;
 }
 
 /// Fills a Geometry for `config` with `blocks` blocks per kernel. `pullMode`: 1 pull, 0 push, -1 automatic: pull
@@ -233,8 +239,8 @@ EPCOMM_HD uint32_t leanLinePayloadBlocks(const Geometry& g) {
 /// EPCOMM_NVLINK_PUSH_QUARTERS outside [-1, 4] is already an error when the environment is read.
 /// `lineMode` (push mode with W > 1 and K <= 32 only): 1 on, 0 off, -1 automatic = off. Lean lines saved 0.6-2 us at
 /// decode T = 1-64 against the general push kernel (session 11), but the fused push dispatch now runs a kernel of
-/// its own (kFusedPush), which is ~1 us faster than lines at decode T = 1-32 and ~3-4 us at T = 128 (docs/nvlink.md,
-/// fourteenth and fifteenth passes).
+/// its own (kFusedPush), which is ~1 us faster than lines at decode T = 1-32 and ~2 us at T = 128 with the lean split
+/// at two units per warp (docs/nvlink.md, fourteenth, fifteenth and twenty-first passes).
 inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1, int pushQuarters = -1,
                              int lineMode = -1) {
   Geometry g{};

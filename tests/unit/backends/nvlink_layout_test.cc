@@ -77,12 +77,17 @@ TEST(NvlinkLayout, LineModeForSmallPushes) {
   EXPECT_EQ(nvlink::makeGeometry(make(1, 2, 8), 66).lines, 0u);  // automatic: plain slots
   EXPECT_EQ(nvlink::makeGeometry(make(32, 2, 8), 66).lines, 0u);
   EXPECT_EQ(nvlink::makeGeometry(make(1, 2, 8), 66, -1, -1, 1).lines, 1u);
-  // 2 x 480 units, 35 expander blocks: too many for the lean split.
-  EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(96, 2, 8), 66, -1, -1, 1)), 0u);
+  // 2 x 480 units do not fit 35 expander blocks one per warp; two per warp they fit 50 blocks (15 payload blocks).
+  EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(96, 2, 8), 66, -1, -1, 1)), 15u);
+  // Decode T = 128: 2 x 640 units, two per warp of 45 expander blocks, 20 payload blocks.
+  EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(128, 2, 8), 66, -1, -1, 1)), 20u);
+  // 2 x 960 units: two per warp would need 60 expander blocks beside the 30 payload blocks.
+  EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(192, 2, 8), 66, -1, -1, 1)), 0u);
   // Eight ranks: 16 tokens x 5 units need 5 payload blocks, 8 x 80 units fit the other 60 blocks' 960 warps; 24
-  // tokens (8 x 120 units, 57 blocks' 912 warps) do not.
+  // tokens (8 x 120 units) fit 57 blocks' 912 warps only two per warp (4 payload blocks).
   EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(16, 8, 8), 66, -1, -1, 1)), 5u);
-  EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(24, 8, 8), 66, -1, -1, 1)), 0u);
+  EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(24, 8, 8), 66, -1, -1, 1)), 4u);
+  EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(64, 8, 8), 66, -1, -1, 1)), 0u);
   const nvlink::Geometry forced = nvlink::makeGeometry(make(1024, 2, 8), 66, 0, -1, 1);  // forced (push mode)
   EXPECT_EQ(forced.lines, 1u);
   EXPECT_EQ(nvlink::leanLinePayloadBlocks(forced), 0u);  // the fused kernel splits its roles as in plain mode
