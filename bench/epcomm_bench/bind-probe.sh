@@ -16,7 +16,7 @@ nvidia-smi topo -m
 lscpu | grep -iE "^(cpu\(s\)|socket|numa|model name|thread)"
 cpus=()
 for i in 0 1; do
-  bus=$(nvidia-smi -i "$i" --query-gpu=pci.bus_id --format=csv,noheader | tr 'A-Z' 'a-z')
+  bus=$(nvidia-smi -i "$i" --query-gpu=pci.bus_id --format=csv,noheader | tr '[:upper:]' '[:lower:]')
   bus=${bus: -12}
   list=$(cat "/sys/bus/pci/devices/$bus/local_cpulist" 2>/dev/null || echo "")
   echo "GPU $i: $bus numa_node $(cat "/sys/bus/pci/devices/$bus/numa_node" 2>/dev/null || echo '?') local_cpulist ${list:-?}"
