@@ -84,7 +84,8 @@ TEST(NvlinkLayout, LineModeForSmallPushes) {
   // 2 x 960 units: two per warp would need 60 expander blocks beside the 30 payload blocks.
   EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(192, 2, 8), 66, -1, -1, 1)), 0u);
   // Eight ranks: 16 tokens x 5 units need 5 payload blocks, 8 x 80 units fit the other 60 blocks' 960 warps; 24
-  // tokens (8 x 120 units) fit 57 blocks' 912 warps only two per warp (4 payload blocks).
+  // tokens (8 x 120 units) do not fit 57 blocks' 912 warps one per warp, but fit the 61 blocks beside 4 payload blocks
+  // two per warp.
   EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(16, 8, 8), 66, -1, -1, 1)), 5u);
   EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(24, 8, 8), 66, -1, -1, 1)), 4u);
   EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(64, 8, 8), 66, -1, -1, 1)), 0u);
