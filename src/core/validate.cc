@@ -74,6 +74,16 @@ void checkIndices(const Config& c, const char* name, const TensorView& t, int64_
   (void)indexKindOf(t.dtype);
 }
 
+bool sameView(const TensorView& a, const TensorView& b) {
+  if (a.data != b.data || a.dtype != b.dtype || a.ndim != b.ndim || a.memory != b.memory || a.device != b.device) {
+    return false;
+  }
+  for (int d = 0; d < TensorView::kMaxDims; ++d) {
+    if (a.shape[d] != b.shape[d] || a.strides[d] != b.strides[d]) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 int indexKindOf(DType dtype) {
@@ -163,6 +173,19 @@ CheckedDispatch checkDispatchArgs(const Config& c, const DispatchArgs& a, Memory
     }
   }
   return out;
+}
+
+bool sameArgs(const DispatchArgs& a, const DispatchArgs& b) {
+  return sameView(a.outExpertNumTokens, b.outExpertNumTokens) && sameView(a.outExpertX, b.outExpertX) &&
+         sameView(a.outExpertXScale, b.outExpertXScale) && sameView(a.x, b.x) && sameView(a.xScale, b.xScale) &&
+         sameView(a.indices, b.indices) && a.boundM == b.boundM && a.doSend == b.doSend && a.doRecv == b.doRecv &&
+         a.stream == b.stream;
+}
+
+bool sameArgs(const CombineArgs& a, const CombineArgs& b) {
+  return sameView(a.outTokens, b.outTokens) && sameView(a.indices, b.indices) && sameView(a.weights, b.weights) &&
+         sameView(a.expertY, b.expertY) && a.boundM == b.boundM && a.doSend == b.doSend && a.doRecv == b.doRecv &&
+         a.accumulate == b.accumulate && a.stream == b.stream;
 }
 
 CheckedCombine checkCombineArgs(const Config& c, const CombineArgs& a, MemoryKind memory, int device) {

@@ -34,6 +34,11 @@ struct CheckedCombine {
 CheckedDispatch checkDispatchArgs(const Config& config, const DispatchArgs& args, MemoryKind memory, int device);
 CheckedCombine checkCombineArgs(const Config& config, const CombineArgs& args, MemoryKind memory, int device);
 
+/// Whether two calls have the same arguments, field by field (views, pointers, flags, stream): a backend may then
+/// reuse what it checked and packed for the earlier one (an engine calls with the same buffers every step).
+bool sameArgs(const DispatchArgs& a, const DispatchArgs& b);
+bool sameArgs(const CombineArgs& a, const CombineArgs& b);
+
 /// Index kind (0 int32, 1 uint32, 2 int64) of an indices dtype; throws for others.
 int indexKindOf(DType dtype);
 

@@ -100,6 +100,30 @@ TEST_F(LaunchCacheTest, ManyDistinctArgumentsEvictTheLeastRecentlyUsed) {
   EXPECT_EQ(result(), 3 * (40 * 41 / 2));
 }
 
+// Calls that alternate between a few argument sets (an engine's dispatch and combine) are found among the recent
+// entries; across evictions, which move the entries, each launch still runs its own arguments.
+TEST_F(LaunchCacheTest, AlternatingArgumentsAcrossEvictionsRunTheirOwnWork) {
+  GraphLaunchCache cache(true);
+  const AddArgs one{out_, 1}, ten{out_, 10};
+  int expect = 0;
+  for (int i = 0; i < 6; ++i) {
+    ASSERT_EQ(cache.launch(add(), &one, sizeof one, stream_), 0);
+    ASSERT_EQ(cache.launch(add(), &ten, sizeof ten, stream_), 0);
+    expect += 11;
+  }
+  EXPECT_EQ(cache.graphLaunches(), 10u);  // each set: plain, then a graph from the second sighting on
+  // 40 more sets, two launches each (the second instantiates), between repeats of `one` and `ten`: evictions.
+  for (int v = 100; v < 140; ++v) {
+    const AddArgs a{out_, v};
+    ASSERT_EQ(cache.launch(add(), &a, sizeof a, stream_), 0);
+    ASSERT_EQ(cache.launch(add(), &one, sizeof one, stream_), 0);
+    ASSERT_EQ(cache.launch(add(), &a, sizeof a, stream_), 0);
+    ASSERT_EQ(cache.launch(add(), &ten, sizeof ten, stream_), 0);
+    expect += 2 * v + 11;
+  }
+  EXPECT_EQ(result(), expect);
+}
+
 }  // namespace
 }  // namespace nvlink
 }  // namespace epcomm

@@ -227,42 +227,16 @@ class NvlinkAllToAll final : public AllToAll {
 
   void dispatch(const DispatchArgs& a) override {
     checkUsable();
-    const CheckedDispatch c = checkDispatchArgs(config_, a, MemoryKind::kCuda, device_);
-    order_.checkDispatch(a.doSend, a.doRecv);
-    nvlink::DispatchKernelArgs k;
-    std::memset(&k, 0, sizeof k);  // padding too: the launch cache compares the bytes
-    fillCommon(k.g, k.peers, k.st);
-    if (a.doSend) {
-      k.x = static_cast<const uint8_t*>(a.x.data);
-      k.xRowStrideBytes = c.xRowStrideBytes;
-      k.xScale = static_cast<const uint8_t*>(a.xScale.data);
-      k.xScaleStrideBytes[0] = c.scaleStrides[0] * 4;
-      k.xScaleStrideBytes[1] = c.scaleStrides[1] * 4;
-      k.indices = a.indices.data;
-      k.indexKind = c.indexKind;
-      k.indexStrides[0] = c.indexStrides[0];
-      k.indexStrides[1] = c.indexStrides[1];
-      k.m = c.m;
-      k.boundM = a.boundM;
-      dispatchedM_ = c.m;
+    // A repeat of the last call of its kind (the same buffers every step) reuses its checks and packing.
+    const int slot = callSlot(a.doSend, a.doRecv);
+    if (slot < 0 || !packedDispatch_[slot].valid || !sameArgs(packedDispatch_[slot].args, a)) {
+      packDispatch(a);
+    } else {
+      order_.checkDispatch(a.doSend, a.doRecv);
     }
-    if (a.doRecv) {
-      k.outNumTokens = static_cast<int32_t*>(a.outExpertNumTokens.data);
-      k.outX = static_cast<uint8_t*>(a.outExpertX.data);
-      k.outExpertStrideBytes = c.outExpertStrideBytes;
-      k.outRowStrideBytes = c.outRowStrideBytes;
-      k.outScale = static_cast<uint8_t*>(a.outExpertXScale.data);
-      const bool packed = config_.layout == Layout::kPacked;
-      if (packed) {
-        k.outScaleStrideBytes[0] = 0;
-        k.outScaleStrideBytes[1] = c.outScaleStrides[0] * 4;
-        k.outScaleStrideBytes[2] = c.outScaleStrides[1] * 4;
-      } else {
-        for (int d = 0; d < 3; ++d) k.outScaleStrideBytes[d] = c.outScaleStrides[d] * 4;
-      }
-      k.packed = packed ? 1 : 0;
-      k.padding = config_.expertPadding;
-    }
+    const PackedDispatch& p = packedDispatch_[callSlot(a.doSend, a.doRecv)];
+    if (a.doSend) dispatchedM_ = p.m;
+    nvlink::DispatchKernelArgs k = p.k;
     checkCurrentDevice();
     k.st.trace = trace_.next(nvlink::PhaseTrace::kDispatch, a.doSend, a.doRecv);
     int rc = launches_->launch(nvlink::dispatchLaunch(k, a.doSend, a.doRecv), &k, sizeof k,
@@ -275,49 +249,23 @@ class NvlinkAllToAll final : public AllToAll {
 
   void combine(const CombineArgs& a) override {
     checkUsable();
-    const CheckedCombine c = checkCombineArgs(config_, a, MemoryKind::kCuda, device_);
-    order_.checkCombine(a.doSend, a.doRecv);
-    nvlink::CombineKernelArgs k;
-    std::memset(&k, 0, sizeof k);  // padding too: the launch cache compares the bytes
-    fillCommon(k.g, k.peers, k.st);
+    const int slot = callSlot(a.doSend, a.doRecv);
+    if (slot < 0 || !packedCombine_[slot].valid || !sameArgs(packedCombine_[slot].args, a)) {
+      packCombine(a);
+    } else {
+      order_.checkCombine(a.doSend, a.doRecv);
+    }
+    const PackedCombine& p = packedCombine_[callSlot(a.doSend, a.doRecv)];
     if (a.doSend) {
-      // The send half applies the router weights (it sums each token's local experts before sending), so it needs
-      // them here; checkCombineArgs checks weights only for the recv half.
-      const TensorView& w = a.weights;
-      EPCOMM_CHECK(w.data != nullptr && w.memory == MemoryKind::kCuda && w.device == device_, kInvalidArgument,
-                   "nvlink combine send half needs weights on cuda:" << device_ << ", got " << w.toString());
-      EPCOMM_CHECK(w.ndim == 2 && w.dtype == DType::kF32 && w.shape[1] == config_.expertsPerToken &&
-                       w.shape[0] <= config_.maxNumTokens && w.strides[0] >= 0 && w.strides[1] >= 0,
-                   kInvalidArgument, "weights must be fp32 [m <= maxNumTokens, K], got " << w.toString());
       // The peers wait for the weights of every token this rank dispatched (tagged words, no flag): fewer rows would
       // leave them waiting until the timeout.
-      EPCOMM_CHECK(static_cast<uint32_t>(w.shape[0]) >= dispatchedM_, kInvalidArgument,
-                   "rank " << config_.rank << ": combine weights have " << w.shape[0]
+      EPCOMM_CHECK(p.k.mSend >= dispatchedM_, kInvalidArgument,
+                   "rank " << config_.rank << ": combine weights have " << p.k.mSend
                            << " rows, fewer than the m = " << dispatchedM_ << " tokens this rank dispatched");
-      k.y = static_cast<const uint8_t*>(a.expertY.data);
-      k.yExpertStride = c.yExpertStride;
-      k.yRowStride = c.yRowStride;
-      k.weights = static_cast<const float*>(w.data);
-      k.weightStrides[0] = w.strides[0];
-      k.weightStrides[1] = w.strides[1];
-      k.mSend = static_cast<uint32_t>(w.shape[0]);
-      partialType_ = combineType(a.expertY.dtype);
+      partialType_ = p.sendType;
     }
-    k.boundM = a.boundM;
-    k.packed = config_.layout == Layout::kPacked ? 1 : 0;
-    k.padding = config_.expertPadding;
-    int outType = partialType_;
-    if (a.doRecv) {
-      k.out = static_cast<uint8_t*>(a.outTokens.data);
-      k.outRowStride = c.outRowStride;
-      k.indices = a.indices.data;
-      k.indexKind = c.indexKind;
-      k.indexStrides[0] = c.indexStrides[0];
-      k.indexStrides[1] = c.indexStrides[1];
-      k.m = c.m;
-      k.accumulate = a.accumulate ? 1 : 0;
-      outType = combineType(a.outTokens.dtype);
-    }
+    const int outType = a.doRecv ? p.recvType : partialType_;
+    nvlink::CombineKernelArgs k = p.k;
     checkCurrentDevice();
     k.st.trace = trace_.next(nvlink::PhaseTrace::kCombine, a.doSend, a.doRecv);
     int rc = launches_->launch(nvlink::combineLaunch(k, a.doSend, a.doRecv, partialType_, outType), &k, sizeof k,
@@ -342,6 +290,101 @@ class NvlinkAllToAll final : public AllToAll {
   }
 
  private:
+  // Slot of a call's kind in packedDispatch_ / packedCombine_: send half 0, receive half 1, both 2; -1 for neither
+  // (the argument checks then throw).
+  static int callSlot(bool doSend, bool doRecv) { return (doSend ? 1 : 0) + (doRecv ? 2 : 0) - 1; }
+
+  // Checks a dispatch call's arguments (then its place in the call order) and packs them into the kernel's, kept in
+  // the call kind's slot.
+  void packDispatch(const DispatchArgs& a) {
+    const CheckedDispatch c = checkDispatchArgs(config_, a, MemoryKind::kCuda, device_);
+    order_.checkDispatch(a.doSend, a.doRecv);
+    PackedDispatch& p = packedDispatch_[callSlot(a.doSend, a.doRecv)];
+    p.valid = false;
+    nvlink::DispatchKernelArgs& k = p.k;
+    std::memset(&k, 0, sizeof k);  // padding too: the launch cache compares the bytes
+    fillCommon(k.g, k.peers, k.st);
+    if (a.doSend) {
+      k.x = static_cast<const uint8_t*>(a.x.data);
+      k.xRowStrideBytes = c.xRowStrideBytes;
+      k.xScale = static_cast<const uint8_t*>(a.xScale.data);
+      k.xScaleStrideBytes[0] = c.scaleStrides[0] * 4;
+      k.xScaleStrideBytes[1] = c.scaleStrides[1] * 4;
+      k.indices = a.indices.data;
+      k.indexKind = c.indexKind;
+      k.indexStrides[0] = c.indexStrides[0];
+      k.indexStrides[1] = c.indexStrides[1];
+      k.m = c.m;
+      k.boundM = a.boundM;
+    }
+    if (a.doRecv) {
+      k.outNumTokens = static_cast<int32_t*>(a.outExpertNumTokens.data);
+      k.outX = static_cast<uint8_t*>(a.outExpertX.data);
+      k.outExpertStrideBytes = c.outExpertStrideBytes;
+      k.outRowStrideBytes = c.outRowStrideBytes;
+      k.outScale = static_cast<uint8_t*>(a.outExpertXScale.data);
+      const bool packed = config_.layout == Layout::kPacked;
+      if (packed) {
+        k.outScaleStrideBytes[0] = 0;
+        k.outScaleStrideBytes[1] = c.outScaleStrides[0] * 4;
+        k.outScaleStrideBytes[2] = c.outScaleStrides[1] * 4;
+      } else {
+        for (int d = 0; d < 3; ++d) k.outScaleStrideBytes[d] = c.outScaleStrides[d] * 4;
+      }
+      k.packed = packed ? 1 : 0;
+      k.padding = config_.expertPadding;
+    }
+    p.m = c.m;
+    p.args = a;
+    p.valid = true;
+  }
+
+  // The same for a combine call (the check of the weights' rows against the last dispatch is the caller's: it
+  // depends on that dispatch, not on these arguments).
+  void packCombine(const CombineArgs& a) {
+    const CheckedCombine c = checkCombineArgs(config_, a, MemoryKind::kCuda, device_);
+    order_.checkCombine(a.doSend, a.doRecv);
+    PackedCombine& p = packedCombine_[callSlot(a.doSend, a.doRecv)];
+    p.valid = false;
+    nvlink::CombineKernelArgs& k = p.k;
+    std::memset(&k, 0, sizeof k);  // padding too: the launch cache compares the bytes
+    fillCommon(k.g, k.peers, k.st);
+    if (a.doSend) {
+      // The send half applies the router weights (it sums each token's local experts before sending), so it needs
+      // them here; checkCombineArgs checks weights only for the recv half.
+      const TensorView& w = a.weights;
+      EPCOMM_CHECK(w.data != nullptr && w.memory == MemoryKind::kCuda && w.device == device_, kInvalidArgument,
+                   "nvlink combine send half needs weights on cuda:" << device_ << ", got " << w.toString());
+      EPCOMM_CHECK(w.ndim == 2 && w.dtype == DType::kF32 && w.shape[1] == config_.expertsPerToken &&
+                       w.shape[0] <= config_.maxNumTokens && w.strides[0] >= 0 && w.strides[1] >= 0,
+                   kInvalidArgument, "weights must be fp32 [m <= maxNumTokens, K], got " << w.toString());
+      k.y = static_cast<const uint8_t*>(a.expertY.data);
+      k.yExpertStride = c.yExpertStride;
+      k.yRowStride = c.yRowStride;
+      k.weights = static_cast<const float*>(w.data);
+      k.weightStrides[0] = w.strides[0];
+      k.weightStrides[1] = w.strides[1];
+      k.mSend = static_cast<uint32_t>(w.shape[0]);
+      p.sendType = combineType(a.expertY.dtype);
+    }
+    k.boundM = a.boundM;
+    k.packed = config_.layout == Layout::kPacked ? 1 : 0;
+    k.padding = config_.expertPadding;
+    if (a.doRecv) {
+      k.out = static_cast<uint8_t*>(a.outTokens.data);
+      k.outRowStride = c.outRowStride;
+      k.indices = a.indices.data;
+      k.indexKind = c.indexKind;
+      k.indexStrides[0] = c.indexStrides[0];
+      k.indexStrides[1] = c.indexStrides[1];
+      k.m = c.m;
+      k.accumulate = a.accumulate ? 1 : 0;
+      p.recvType = combineType(a.outTokens.dtype);
+    }
+    p.args = a;
+    p.valid = true;
+  }
+
   void fillCommon(Geometry& g, char** peers, nvlink::DeviceState& st) const {
     g = geo_;
     for (uint32_t r = 0; r < nvlink::kMaxRanks; ++r) peers[r] = peers_[r];
@@ -406,6 +449,24 @@ class NvlinkAllToAll final : public AllToAll {
   /// peers' staging and routes while they may still be reading the last round's (the combine is the barrier).
   CallOrder order_{"nvlink", config_.rank, false};
   uint32_t dispatchedM_ = 0;  // m of the last dispatch send half (combine's weights must cover it)
+  /// The last call of each kind (callSlot) and what its arguments were checked and packed into: an engine calls with
+  /// the same buffers every step, and a repeat then skips the checks and the packing (host time inside an eager
+  /// call, which delays the kernel's start: docs/nvlink.md, twenty-second pass).
+  struct PackedDispatch {
+    bool valid = false;
+    DispatchArgs args;
+    nvlink::DispatchKernelArgs k{};
+    uint32_t m = 0;
+  };
+  struct PackedCombine {
+    bool valid = false;
+    CombineArgs args;
+    nvlink::CombineKernelArgs k{};
+    int sendType = -1;  // the send half's partial type (combineType of expertY)
+    int recvType = -1;  // the receive half's output type
+  };
+  PackedDispatch packedDispatch_[3];
+  PackedCombine packedCombine_[3];
   nvlink::PhaseTrace trace_;
   /// Eager launches through cached graphs (EPCOMM_NVLINK_GRAPH_LAUNCH; off while tracing: the trace slot changes the
   /// arguments every call).

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "core/log.hpp"
 
@@ -54,6 +55,23 @@ cudaGraphExec_t GraphLaunchCache::instantiate(const KernelLaunch& l, const void*
   return exec;
 }
 
+bool GraphLaunchCache::matches(const Entry& e, const KernelLaunch& l, const void* args, size_t bytes) {
+  return e.fn == l.fn && e.smemBytes == l.smemBytes && e.args.size() == bytes &&
+         std::memcmp(e.args.data(), args, bytes) == 0;
+}
+
+int GraphLaunchCache::launchEntry(size_t i, cudaStream_t stream) {
+  entries_[i].lastUse = clock_;
+  // Move i to the front of recent_ (it may already be there).
+  size_t carry = i;
+  for (size_t& r : recent_) {
+    std::swap(r, carry);
+    if (carry == i) break;
+  }
+  ++graphLaunches_;
+  return static_cast<int>(cudaGraphLaunch(entries_[i].exec, stream));
+}
+
 int GraphLaunchCache::launch(const KernelLaunch& l, const void* args, size_t bytes, cudaStream_t stream) {
   if (!enabled_) return launchKernel(l, args, stream);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -61,15 +79,13 @@ int GraphLaunchCache::launch(const KernelLaunch& l, const void* args, size_t byt
     cudaGetLastError();
     return launchKernel(l, args, stream);
   }
-  const uint64_t h = hashArgs(l, args, bytes);
   ++clock_;
-  for (Entry& e : entries_) {
-    if (e.hash == h && e.fn == l.fn && e.smemBytes == l.smemBytes && e.args.size() == bytes &&
-        std::memcmp(e.args.data(), args, bytes) == 0) {
-      e.lastUse = clock_;
-      ++graphLaunches_;
-      return static_cast<int>(cudaGraphLaunch(e.exec, stream));
-    }
+  for (size_t i : recent_) {
+    if (i != kNone && matches(entries_[i], l, args, bytes)) return launchEntry(i, stream);
+  }
+  const uint64_t h = hashArgs(l, args, bytes);
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    if (entries_[i].hash == h && matches(entries_[i], l, args, bytes)) return launchEntry(i, stream);
   }
   // First sighting: remembered, launched plainly (arguments that never repeat cost no instantiation).
   if (std::find(seen_.begin(), seen_.end(), h) == seen_.end()) {
@@ -83,11 +99,11 @@ int GraphLaunchCache::launch(const KernelLaunch& l, const void* args, size_t byt
                                 [](const Entry& a, const Entry& b) { return a.lastUse < b.lastUse; });
     cudaGraphExecDestroy(lru->exec);
     entries_.erase(lru);
+    recent_.fill(kNone);  // the indices after the erased entry moved
   }
   const unsigned char* p = static_cast<const unsigned char*>(args);
   entries_.push_back(Entry{h, l.fn, l.smemBytes, std::vector<unsigned char>(p, p + bytes), exec, clock_});
-  ++graphLaunches_;
-  return static_cast<int>(cudaGraphLaunch(exec, stream));
+  return launchEntry(entries_.size() - 1, stream);
 }
 
 }  // namespace nvlink

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -19,7 +20,7 @@ namespace nvlink {
 /// then records a plain kernel node), launches plainly. Per object, not thread-safe (like the object).
 class GraphLaunchCache {
  public:
-  explicit GraphLaunchCache(bool enabled) : enabled_(enabled), seen_(kSeen, ~0ull) {}
+  explicit GraphLaunchCache(bool enabled) : enabled_(enabled), seen_(kSeen, ~0ull) { recent_.fill(kNone); }
   ~GraphLaunchCache();
   GraphLaunchCache(const GraphLaunchCache&) = delete;
   GraphLaunchCache& operator=(const GraphLaunchCache&) = delete;
@@ -40,11 +41,18 @@ class GraphLaunchCache {
     cudaGraphExec_t exec;
     uint64_t lastUse;
   };
+  static constexpr size_t kRecent = 4;  // entries of the last launches, newest first
+  static constexpr size_t kNone = ~size_t{0};
   cudaGraphExec_t instantiate(const KernelLaunch& l, const void* args);
+  static bool matches(const Entry& e, const KernelLaunch& l, const void* args, size_t bytes);
+  int launchEntry(size_t i, cudaStream_t stream);
 
   bool enabled_;
   std::vector<Entry> entries_;
   std::vector<uint64_t> seen_;
+  // Indices into entries_ of the last kRecent launches' entries: an engine's calls repeat (dispatch and combine
+  // alternate), so a launch is found by comparing its bytes with one or two entries, without hashing them.
+  std::array<size_t, kRecent> recent_{};
   size_t seenNext_ = 0;
   uint64_t clock_ = 0;
   uint64_t graphLaunches_ = 0;

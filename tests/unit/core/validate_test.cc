@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <vector>
 
 #include "expect_error.hpp"
 #include "reference/reference.hpp"
@@ -543,6 +544,65 @@ TEST_F(ValidateTest, WeightsWrongK) {
 
 TEST_F(ValidateTest, WeightsNegativeStride) {
   expectCombineError([](CombineArgs& a) { a.weights.strides[0] = -2; }, {"weights has a negative stride"});
+}
+
+// sameArgs: a copy is the same call; any one field changed (a view's pointer, dtype, rank, shape, stride, memory or
+// device, the bound, a flag, the stream) is not.
+TEST_F(ValidateTest, SameDispatchArgsFieldByField) {
+  const DispatchArgs copy = d_;
+  EXPECT_TRUE(sameArgs(d_, copy));
+  const int32_t bound = 2;
+  int streamTag = 0;
+  const std::vector<std::function<void(DispatchArgs&)>> changes = {
+      [&](DispatchArgs& a) { a.x.data = bigData(); },
+      [](DispatchArgs& a) { a.x.dtype = DType::kF16; },
+      [](DispatchArgs& a) { a.x.ndim = 3; },
+      [](DispatchArgs& a) { a.x.shape[0] = 2; },
+      [](DispatchArgs& a) { a.x.strides[0] = 32; },
+      [](DispatchArgs& a) { a.x.memory = MemoryKind::kCuda; },
+      [](DispatchArgs& a) { a.x.device = 1; },
+      [](DispatchArgs& a) { a.xScale.strides[1] = 3; },
+      [](DispatchArgs& a) { a.indices.shape[3] = 1; },
+      [](DispatchArgs& a) { a.outExpertNumTokens.data = nullptr; },
+      [](DispatchArgs& a) { a.outExpertX.strides[1] = 64; },
+      [](DispatchArgs& a) { a.outExpertXScale.shape[2] = 1; },
+      [&](DispatchArgs& a) { a.boundM = &bound; },
+      [](DispatchArgs& a) { a.doSend = false; },
+      [](DispatchArgs& a) { a.doRecv = false; },
+      [&](DispatchArgs& a) { a.stream = &streamTag; },
+  };
+  for (size_t i = 0; i < changes.size(); ++i) {
+    DispatchArgs a = d_;
+    changes[i](a);
+    EXPECT_FALSE(sameArgs(d_, a)) << "change " << i;
+    EXPECT_FALSE(sameArgs(a, d_)) << "change " << i;
+  }
+}
+
+TEST_F(ValidateTest, SameCombineArgsFieldByField) {
+  const CombineArgs copy = c_;
+  EXPECT_TRUE(sameArgs(c_, copy));
+  const int32_t bound = 2;
+  int streamTag = 0;
+  const std::vector<std::function<void(CombineArgs&)>> changes = {
+      [&](CombineArgs& a) { a.outTokens.data = bigData(); },
+      [](CombineArgs& a) { a.outTokens.dtype = DType::kBf16; },
+      [](CombineArgs& a) { a.indices.strides[1] = 2; },
+      [](CombineArgs& a) { a.weights.shape[0] = 2; },
+      [](CombineArgs& a) { a.weights.device = 0; },
+      [](CombineArgs& a) { a.expertY.ndim = 2; },
+      [&](CombineArgs& a) { a.boundM = &bound; },
+      [](CombineArgs& a) { a.doSend = false; },
+      [](CombineArgs& a) { a.doRecv = false; },
+      [](CombineArgs& a) { a.accumulate = true; },
+      [&](CombineArgs& a) { a.stream = &streamTag; },
+  };
+  for (size_t i = 0; i < changes.size(); ++i) {
+    CombineArgs a = c_;
+    changes[i](a);
+    EXPECT_FALSE(sameArgs(c_, a)) << "change " << i;
+    EXPECT_FALSE(sameArgs(a, c_)) << "change " << i;
+  }
 }
 
 TEST(IndexKind, Dtypes) {
