@@ -236,6 +236,9 @@ struct Measurement {
   double nccl = -1, ncclPplx = -1;
   double fabricA2a = -1;          // host backend: dense all-to-all of the same bytes over the same fabric provider
   double dHost = -1, cHost = -1;  // eager, GPU: host time spent inside the dispatch / combine call (median)
+  // Eager, GPU: each rank's own median of dispatch and of combine, and of the host time inside dispatch (the max over
+  // ranks above hides which rank waited: a rank whose kernel starts earlier waits for its peers' data).
+  std::vector<double> dRanks, cRanks, dHostRanks;
 };
 
 class Bench {
@@ -480,10 +483,15 @@ class Bench {
 
   // Max over ranks of each rank's median.
   double agree(const std::vector<double>& samples) {
+    const std::vector<double> all = perRank(samples);
+    return *std::max_element(all.begin(), all.end());
+  }
+  // Every rank's median, by rank.
+  std::vector<double> perRank(const std::vector<double>& samples) {
     double mine = median(samples);
     std::vector<double> all(world_);
     bs_.allGather(&mine, all.data(), sizeof(double));
-    return *std::max_element(all.begin(), all.end());
+    return all;
   }
 
   // Host backend: every rank is a process of this machine, so all of them must fit in its memory at once; a
@@ -620,10 +628,13 @@ class Bench {
     std::vector<double> dispatchSamples, combineSamples, dispatchHost, combineHost;
     phase("eager");
     pairTimes(dispatchOnce, combineOnce, false, &dispatchSamples, &combineSamples, &dispatchHost, &combineHost);
-    eager.dispatch = agree(dispatchSamples);
-    eager.combine = agree(combineSamples);
+    eager.dRanks = perRank(dispatchSamples);
+    eager.cRanks = perRank(combineSamples);
+    eager.dispatch = *std::max_element(eager.dRanks.begin(), eager.dRanks.end());
+    eager.combine = *std::max_element(eager.cRanks.begin(), eager.cRanks.end());
     if (!hostMode_) {
-      eager.dHost = agree(dispatchHost);
+      eager.dHostRanks = perRank(dispatchHost);
+      eager.dHost = *std::max_element(eager.dHostRanks.begin(), eager.dHostRanks.end());
       eager.cHost = agree(combineHost);
       phase("device-only");
       pairTimes(dispatchOnce, combineOnce, true, &dispatchSamples, &combineSamples);
@@ -872,6 +883,17 @@ class Bench {
     std::snprintf(b, sizeof(b), "%.3f", v);
     return b;
   }
+  static std::string jlist(const std::vector<double>& v) {
+    std::string s = "[";
+    for (size_t i = 0; i < v.size(); ++i) s += (i > 0 ? "," : "") + jnum(v[i]);
+    return s + "]";
+  }
+  // "12.3 / 12.9" (rank 0 / rank 1 / ...)
+  static std::string byRank(const std::vector<double>& v) {
+    std::string s;
+    for (size_t i = 0; i < v.size(); ++i) s += (i > 0 ? " / " : "") + num(v[i]);
+    return s;
+  }
 
   void printHeader() {
     const int blocks = env().nvlinkBlocks;
@@ -908,6 +930,8 @@ class Bench {
     if (m.dHost >= 0) {
       std::printf("#   host time inside the eager calls (median, max over ranks): dispatch %.1f us, combine %.1f us\n",
                   m.dHost, m.cHost);
+      std::printf("#   eager medians by rank: dispatch %s, combine %s; host time inside dispatch %s\n",
+                  byRank(m.dRanks).c_str(), byRank(m.cRanks).c_str(), byRank(m.dHostRanks).c_str());
     }
     std::fflush(stdout);
     if (o_.json.empty() && !hostMode_) return;
@@ -925,7 +949,11 @@ class Bench {
       << ",\"combine_recv_us\":" << jnum(isGraph ? -1 : m.cRecv) << ",\"dispatch_device_us\":" << jnum(m.dDev)
       << ",\"combine_device_us\":" << jnum(m.cDev) << ",\"nccl_us\":" << jnum(m.nccl)
       << ",\"nccl_pplx_us\":" << jnum(m.ncclPplx);
-    if (m.dHost >= 0) f << ",\"dispatch_host_us\":" << jnum(m.dHost) << ",\"combine_host_us\":" << jnum(m.cHost);
+    if (m.dHost >= 0) {
+      f << ",\"dispatch_host_us\":" << jnum(m.dHost) << ",\"combine_host_us\":" << jnum(m.cHost)
+        << ",\"dispatch_us_by_rank\":" << jlist(m.dRanks) << ",\"combine_us_by_rank\":" << jlist(m.cRanks)
+        << ",\"dispatch_host_us_by_rank\":" << jlist(m.dHostRanks);
+    }
     if (hostMode_)
       f << ",\"fabric_a2a_us\":" << jnum(m.fabricA2a) << ",\"fabric_provider\":\"" << fabricProvider_ << "\"";
     f << ",\"dispatch_bytes_per_rank\":" << static_cast<uint64_t>(bytes) << ",\"pplx_bytes_rank0\":" << bytesPplx
