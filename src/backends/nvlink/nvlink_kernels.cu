@@ -310,18 +310,25 @@ __device__ __forceinline__ void groupSync(uint32_t first) {
   }
 }
 
-// The first warp of the group [first, blockDim.x): the first row of every local expert from the experts' row totals:
-// 0 in the batched layout (the expert stride does the work), the prefix sum of the padded totals in the packed one.
-// The caller synchronises afterwards.
+// The group [first, blockDim.x): the first row of every local expert from the experts' row totals. Batched layout:
+// 0 (the expert stride does the work), stored by the whole group. Packed: the prefix sum of the padded totals, by the
+// group's first warp, 32 experts per step (a chain of shuffles: ~1.2 us for 256 experts on H200, which every receiver
+// of the batched layout also spent on its way to its tables until it got its own path; docs/nvlink.md, twenty-second
+// pass). The caller synchronises afterwards.
 __device__ void expertRowBases(const int32_t* total, int32_t* rowBase, uint32_t L, bool packed, uint32_t padding,
                                uint32_t first = 0) {
-  if (threadIdx.x < first || threadIdx.x >= first + 32) return;
+  if (threadIdx.x < first) return;
+  if (!packed) {
+    for (uint32_t le = threadIdx.x - first; le < L; le += blockDim.x - first) rowBase[le] = 0;
+    return;
+  }
+  if (threadIdx.x >= first + 32) return;
   const uint32_t lane = threadIdx.x - first;
   int32_t carry = 0;
   for (uint32_t c = 0; c < L; c += 32) {
     const uint32_t le = c + lane;
     int32_t v = 0;
-    if (packed && le < L) v = static_cast<int32_t>(roundUpPow2(static_cast<uint64_t>(total[le]), padding));
+    if (le < L) v = static_cast<int32_t>(roundUpPow2(static_cast<uint64_t>(total[le]), padding));
     int32_t inc = v;
     for (int o = 1; o < 32; o <<= 1) {
       int32_t n = __shfl_up_sync(0xffffffffu, inc, o);
