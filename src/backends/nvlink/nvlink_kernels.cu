@@ -1096,6 +1096,15 @@ __device__ __forceinline__ RouteEntry pollEntry(const DispatchKernelArgs& a, uin
   return unpackEntry(v);
 }
 
+// Row groups of a static expansion: when the units (token, piece) are fewer than the warps, each unit is split further
+// by its entries (entry k to group k % G), so a token's rows are written by G warps at once instead of one after the
+// other by one (W = 1, decode T = 32: one warp's 8 rows took 1.8 us after its loads; docs/nvlink.md, twenty-second
+// pass). 1 when every warp already has a unit.
+__device__ __forceinline__ uint32_t rowGroups(uint32_t units, uint32_t numWarps, uint32_t K) {
+  if (units == 0 || units >= numWarps) return 1;
+  return min(K, numWarps / units);
+}
+
 // Expands received tokens into their expert rows (HBM to HBM, local). Work unit = (sender, token, piece) as in
 // dispatchPayload, over the tokens actually sent (rt.tokens); the unit's loads (routing entries, payload vectors,
 // scales) are issued together before its stores. `nOwn`: this rank's token count (kExpandOwn).
@@ -1121,14 +1130,16 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
   const uint32_t pieces = tokenPieces(g);
   const uint32_t skip = mode == kExpandPeers ? g.rank : W;
   auto entry = [&](uint32_t s, uint32_t j, uint32_t k) { return pollEntry(a, s, j, k, round); };
-  const uint32_t total = (mode == kExpandOwn ? nOwn : sentTokens(rt, W, skip)) * pieces;
+  const uint32_t tokenUnits = (mode == kExpandOwn ? nOwn : sentTokens(rt, W, skip)) * pieces;
+  const uint32_t groups = kDynamic ? 1 : rowGroups(tokenUnits, numWarps, K);
+  const uint32_t total = tokenUnits * groups;
   const bool leader = lane == 0;
   uint32_t wu = warpId;
   if constexpr (kDynamic) wu = __shfl_sync(0xffffffffu, leader ? atomicAdd(queue, 1u) : 0u, 0);
   while (wu < total) {
     uint32_t next = wu + numWarps;
     if constexpr (kDynamic) next = leader ? atomicAdd(queue, 1u) : 0u;
-    const uint32_t item = wu / pieces, piece = wu % pieces;
+    const uint32_t group = wu % groups, item = wu / groups / pieces, piece = wu / groups % pieces;
     uint32_t s = g.rank, j = item;
     if (mode != kExpandOwn) sentItem(rt, W, skip, item, s, j);
     const uint8_t* src;
@@ -1174,7 +1185,8 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
       const RouteEntry e = k0 == 0 ? e0 : k0 + lane < K ? entry(s, j, k0 + lane) : RouteEntry{-1, 0};
       int64_t rowOff = -1, scaleOff = 0;
       uint64_t slot = kNoRowSlot;
-      if (e.le >= 0) {
+      const bool mine = (k0 + lane) % groups == group;  // this unit's share of the token's entries
+      if (e.le >= 0 && mine) {
         const int32_t le = e.le & ~kDupBit;
         const int64_t idx = rt.rowBase[le] + rt.senderBase[s * L + le] + e.pos;
         slot = rowSlot(static_cast<uint32_t>(le), static_cast<uint32_t>(idx));
@@ -1183,7 +1195,9 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
           scaleOff = le * a.outScaleStrideBytes[0] + idx * a.outScaleStrideBytes[1];
         }
       }
-      if (piece == 0 && k0 + lane < K) a.st.rowSlots[(static_cast<uint64_t>(s) * Ts + j) * K + k0 + lane] = slot;
+      if (piece == 0 && k0 + lane < K && mine) {
+        a.st.rowSlots[(static_cast<uint64_t>(s) * Ts + j) * K + k0 + lane] = slot;
+      }
       for (uint32_t m = __ballot_sync(0xffffffffu, rowOff >= 0); m != 0; m &= m - 1) {
         const int b = __ffs(m) - 1;
         uint8_t* dst = a.outX + __shfl_sync(0xffffffffu, rowOff, b);
@@ -1224,12 +1238,13 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
 // trip (~0.4 us at decode, trace) leaves the unit's chain after the counts. `have`: whether the warp has a unit
 // (else nothing was polled). Polling the peers' first entries before their payload flag the same way delayed
 // decode T = 128 (docs/nvlink.md, ninth pass).
-__device__ RouteEntry firstOwnEntries(const DispatchKernelArgs& a, uint32_t nOwn, uint32_t warpId, uint32_t round,
-                                      bool& have) {
+__device__ RouteEntry firstOwnEntries(const DispatchKernelArgs& a, uint32_t nOwn, uint32_t warpId, uint32_t numWarps,
+                                      uint32_t round, bool& have) {
   const Geometry& g = a.g;
-  have = warpId < nOwn * tokenPieces(g);
+  const uint32_t units = nOwn * tokenPieces(g), groups = rowGroups(units, numWarps, g.topK);
+  have = warpId < units * groups;
   if (!have || threadIdx.x % 32 >= g.topK) return RouteEntry{-1, 0};
-  return pollEntry(a, g.rank, warpId / tokenPieces(g), threadIdx.x % 32, round);
+  return pollEntry(a, g.rank, warpId / groups / tokenPieces(g), threadIdx.x % 32, round);
 }
 
 // The row tables built by the threads [first, blockDim.x) while warp 0 does something else (a fence that waits for
@@ -1296,7 +1311,7 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
     // Push mode (decode-sized): the first unit's entries while the other ranks' counts are not in.
     bool havePre = false;
     RouteEntry pre{-1, 0};
-    if (!pull) pre = firstOwnEntries(a, n, ownWarp, round, havePre);
+    if (!pull) pre = firstOwnEntries(a, n, ownWarp, ownWarps, round, havePre);
     // Every rank's counts for this rank's experts, polled as they land (tagged words): no route flag.
     // (first == 0: push kernels, where the comparison is constant)
     const RowTables rt =
