@@ -1099,9 +1099,10 @@ __device__ __forceinline__ RouteEntry pollEntry(const DispatchKernelArgs& a, uin
 // Row groups of a static expansion: when the units (token, piece) are fewer than the warps, each unit is split further
 // by its entries (entry k to group k % G), so a token's rows are written by G warps at once instead of one after the
 // other by one (W = 1, decode T = 32: one warp's 8 rows took 1.8 us after its loads; docs/nvlink.md, twenty-second
-// pass). 1 when every warp already has a unit.
+// pass). Only with at least 4 warps per unit: with 2 (W = 1, T = 128) the second load of every piece cost more than
+// the shorter chains gained (+0.2 us).
 __device__ __forceinline__ uint32_t rowGroups(uint32_t units, uint32_t numWarps, uint32_t K) {
-  if (units == 0 || units >= numWarps) return 1;
+  if (units == 0 || 4 * units > numWarps) return 1;
   return min(K, numWarps / units);
 }
 
