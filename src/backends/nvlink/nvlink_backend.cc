@@ -227,14 +227,8 @@ class NvlinkAllToAll final : public AllToAll {
 
   void dispatch(const DispatchArgs& a) override {
     checkUsable();
-    // A repeat of the last call of its kind (the same buffers every step) reuses its checks and packing.
-    const int slot = callSlot(a.doSend, a.doRecv);
-    if (slot < 0 || !packedDispatch_[slot].valid || !sameArgs(packedDispatch_[slot].args, a)) {
-      packDispatch(a);
-    } else {
-      order_.checkDispatch(a.doSend, a.doRecv);
-    }
-    const PackedDispatch& p = packedDispatch_[callSlot(a.doSend, a.doRecv)];
+    const PackedDispatch& p = packedFor(
+        packedDispatch_, a, [&] { packDispatch(a); }, [&] { order_.checkDispatch(a.doSend, a.doRecv); });
     if (a.doSend) dispatchedM_ = p.m;
     nvlink::DispatchKernelArgs k = p.k;
     checkCurrentDevice();
@@ -249,13 +243,8 @@ class NvlinkAllToAll final : public AllToAll {
 
   void combine(const CombineArgs& a) override {
     checkUsable();
-    const int slot = callSlot(a.doSend, a.doRecv);
-    if (slot < 0 || !packedCombine_[slot].valid || !sameArgs(packedCombine_[slot].args, a)) {
-      packCombine(a);
-    } else {
-      order_.checkCombine(a.doSend, a.doRecv);
-    }
-    const PackedCombine& p = packedCombine_[callSlot(a.doSend, a.doRecv)];
+    const PackedCombine& p = packedFor(
+        packedCombine_, a, [&] { packCombine(a); }, [&] { order_.checkCombine(a.doSend, a.doRecv); });
     if (a.doSend) {
       // The peers wait for the weights of every token this rank dispatched (tagged words, no flag): fewer rows would
       // leave them waiting until the timeout.
@@ -293,6 +282,20 @@ class NvlinkAllToAll final : public AllToAll {
   // Slot of a call's kind in packedDispatch_ / packedCombine_: send half 0, receive half 1, both 2; -1 for neither
   // (the argument checks then throw).
   static int callSlot(bool doSend, bool doRecv) { return (doSend ? 1 : 0) + (doRecv ? 2 : 0) - 1; }
+
+  // What call `a` is packed into: a repeat of the last call of its kind (the same buffers every step) reuses that
+  // call's checks and packing and only checks the call order; any other call is checked and packed by `pack` (which
+  // checks the order after the arguments, as before the cache).
+  template <typename Packed, typename Args, typename Pack, typename CheckOrder>
+  static const Packed& packedFor(Packed (&cache)[3], const Args& a, Pack pack, CheckOrder checkOrder) {
+    const int slot = callSlot(a.doSend, a.doRecv);
+    if (slot < 0 || !cache[slot].valid || !sameArgs(cache[slot].args, a)) {
+      pack();
+    } else {
+      checkOrder();
+    }
+    return cache[callSlot(a.doSend, a.doRecv)];
+  }
 
   // Checks a dispatch call's arguments (then its place in the call order) and packs them into the kernel's, kept in
   // the call kind's slot.

@@ -546,11 +546,23 @@ TEST_F(ValidateTest, WeightsNegativeStride) {
   expectCombineError([](CombineArgs& a) { a.weights.strides[0] = -2; }, {"weights has a negative stride"});
 }
 
+// A copy of `base` is the same call, and each change of `base`, alone, makes one that sameArgs tells apart from it
+// (both ways round).
+template <typename Args>
+void expectEachChangeDiffers(const Args& base, const std::vector<std::function<void(Args&)>>& changes) {
+  const Args copy = base;
+  EXPECT_TRUE(sameArgs(base, copy));
+  for (size_t i = 0; i < changes.size(); ++i) {
+    Args a = base;
+    changes[i](a);
+    EXPECT_FALSE(sameArgs(base, a)) << "change " << i;
+    EXPECT_FALSE(sameArgs(a, base)) << "change " << i;
+  }
+}
+
 // sameArgs: a copy is the same call; any one field changed (a view's pointer, dtype, rank, shape, stride, memory or
 // device, the bound, a flag, the stream) is not.
 TEST_F(ValidateTest, SameDispatchArgsFieldByField) {
-  const DispatchArgs copy = d_;
-  EXPECT_TRUE(sameArgs(d_, copy));
   const int32_t bound = 2;
   int streamTag = 0;
   const std::vector<std::function<void(DispatchArgs&)>> changes = {
@@ -571,17 +583,10 @@ TEST_F(ValidateTest, SameDispatchArgsFieldByField) {
       [](DispatchArgs& a) { a.doRecv = false; },
       [&](DispatchArgs& a) { a.stream = &streamTag; },
   };
-  for (size_t i = 0; i < changes.size(); ++i) {
-    DispatchArgs a = d_;
-    changes[i](a);
-    EXPECT_FALSE(sameArgs(d_, a)) << "change " << i;
-    EXPECT_FALSE(sameArgs(a, d_)) << "change " << i;
-  }
+  expectEachChangeDiffers(d_, changes);
 }
 
 TEST_F(ValidateTest, SameCombineArgsFieldByField) {
-  const CombineArgs copy = c_;
-  EXPECT_TRUE(sameArgs(c_, copy));
   const int32_t bound = 2;
   int streamTag = 0;
   const std::vector<std::function<void(CombineArgs&)>> changes = {
@@ -597,12 +602,7 @@ TEST_F(ValidateTest, SameCombineArgsFieldByField) {
       [](CombineArgs& a) { a.accumulate = true; },
       [&](CombineArgs& a) { a.stream = &streamTag; },
   };
-  for (size_t i = 0; i < changes.size(); ++i) {
-    CombineArgs a = c_;
-    changes[i](a);
-    EXPECT_FALSE(sameArgs(c_, a)) << "change " << i;
-    EXPECT_FALSE(sameArgs(a, c_)) << "change " << i;
-  }
+  expectEachChangeDiffers(c_, changes);
 }
 
 TEST(IndexKind, Dtypes) {
