@@ -1108,7 +1108,8 @@ __device__ __forceinline__ uint32_t rowGroups(uint32_t units, uint32_t numWarps,
 
 // Expands received tokens into their expert rows (HBM to HBM, local). Work unit = (sender, token, piece) as in
 // dispatchPayload, over the tokens actually sent (rt.tokens); the unit's loads (routing entries, payload vectors,
-// scales) are issued together before its stores. `nOwn`: this rank's token count (kExpandOwn).
+// scales) are issued together before its stores; a static schedule with warps to spare splits each unit further by
+// its entries (rowGroups). `nOwn`: this rank's token count (kExpandOwn).
 // Schedule: static (units warpId, warpId + numWarps, ...), or with kDynamic from `queue`, a counter shared by every
 // warp of the schedule: lane 0 takes the next unit and asks for the following one while the current one runs, so
 // the atomic's round trip overlaps the work. A static split ends when its slowest warp does: at prefill the units
