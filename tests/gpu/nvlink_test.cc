@@ -1,5 +1,7 @@
 // The nvlink backend against the CPU reference, one process per GPU (forked before any CUDA call, TCP bootstrap).
-// On a machine without enough GPUs every test reports skipped.
+// On a machine without enough GPUs every test reports skipped. NVLINK_TEST_SHARE_GPU=1 runs the multi-rank cases with
+// several ranks on one GPU (rank % devices): a check of correctness only, since the ranks' contexts take turns on the
+// GPU (scripts/gpu-check does this when the machine has one GPU).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
