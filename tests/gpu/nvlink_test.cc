@@ -27,12 +27,12 @@ using gputest::Round;
 using gputest::Scenario;
 using test::ScopedEnv;
 
-#define REQUIRE_GPUS(n)                                                                              \
-  do {                                                                                               \
-    const int have_ = gputest::gpuCount();                                                           \
-    if (have_ == 0) GTEST_SKIP() << "no CUDA device";                                                \
-    if (have_ < (n) && std::getenv("NVLINK_TEST_SHARE_GPU") == nullptr)                              \
-      GTEST_SKIP() << "needs " << (n) << " CUDA devices, this machine has " << have_;               \
+#define REQUIRE_GPUS(n)                                                               \
+  do {                                                                                \
+    const int have_ = gputest::gpuCount();                                            \
+    if (have_ == 0) GTEST_SKIP() << "no CUDA device";                                 \
+    if (have_ < (n) && std::getenv("NVLINK_TEST_SHARE_GPU") == nullptr)               \
+      GTEST_SKIP() << "needs " << (n) << " CUDA devices, this machine has " << have_; \
   } while (0)
 
 #define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
