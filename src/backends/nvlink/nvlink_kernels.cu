@@ -382,7 +382,9 @@ __device__ RowTables computeRows(char* local, const Geometry& g, int32_t* smem, 
   RowTables rt = rowTablesAt(g, smem, true);
   const uint64_t* counts = reinterpret_cast<const uint64_t*>(local + g.offCounts);
   const int32_t rank = static_cast<int32_t>(g.rank);
-  bool ok = pollSenders(local, g, rt.tokens, round, st, 0, tid);
+  // The token counts by the group's last W threads, the counts from its first: thread 0 polled both one after the
+  // other, a round trip more before the tables (W = 1 trace, docs/nvlink.md, twenty-second pass).
+  bool ok = pollSenders(local, g, rt.tokens, round, st, 0, threads - 1 - tid);
   for (uint32_t le = tid; le < L; le += threads) {
     int32_t acc = 0;
     for (uint32_t s = 0; s < W && ok; ++s) {
