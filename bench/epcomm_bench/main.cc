@@ -482,10 +482,8 @@ class Bench {
   }
 
   // Max over ranks of each rank's median.
-  double agree(const std::vector<double>& samples) {
-    const std::vector<double> all = perRank(samples);
-    return *std::max_element(all.begin(), all.end());
-  }
+  double agree(const std::vector<double>& samples) { return maxOf(perRank(samples)); }
+  static double maxOf(const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); }
   // Every rank's median, by rank.
   std::vector<double> perRank(const std::vector<double>& samples) {
     double mine = median(samples);
@@ -630,11 +628,11 @@ class Bench {
     pairTimes(dispatchOnce, combineOnce, false, &dispatchSamples, &combineSamples, &dispatchHost, &combineHost);
     eager.dRanks = perRank(dispatchSamples);
     eager.cRanks = perRank(combineSamples);
-    eager.dispatch = *std::max_element(eager.dRanks.begin(), eager.dRanks.end());
-    eager.combine = *std::max_element(eager.cRanks.begin(), eager.cRanks.end());
+    eager.dispatch = maxOf(eager.dRanks);
+    eager.combine = maxOf(eager.cRanks);
     if (!hostMode_) {
       eager.dHostRanks = perRank(dispatchHost);
-      eager.dHost = *std::max_element(eager.dHostRanks.begin(), eager.dHostRanks.end());
+      eager.dHost = maxOf(eager.dHostRanks);
       eager.cHost = agree(combineHost);
       phase("device-only");
       pairTimes(dispatchOnce, combineOnce, true, &dispatchSamples, &combineSamples);

@@ -1108,6 +1108,12 @@ __device__ __forceinline__ uint32_t rowGroups(uint32_t units, uint32_t numWarps,
   return min(K, numWarps / units);
 }
 
+// The token (item) of work unit `wu` of an expansion with `groups` row groups and `pieces` pieces per token: units
+// run group-fastest, then piece, then token (expandTokens; firstOwnEntries polls the first unit's entries ahead).
+__device__ __forceinline__ uint32_t unitItem(uint32_t wu, uint32_t groups, uint32_t pieces) {
+  return wu / groups / pieces;
+}
+
 // Expands received tokens into their expert rows (HBM to HBM, local). Work unit = (sender, token, piece) as in
 // dispatchPayload, over the tokens actually sent (rt.tokens); the unit's loads (routing entries, payload vectors,
 // scales) are issued together before its stores; a static schedule with warps to spare splits each unit further by
@@ -1143,7 +1149,7 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
   while (wu < total) {
     uint32_t next = wu + numWarps;
     if constexpr (kDynamic) next = leader ? atomicAdd(queue, 1u) : 0u;
-    const uint32_t group = wu % groups, item = wu / groups / pieces, piece = wu / groups % pieces;
+    const uint32_t group = wu % groups, item = unitItem(wu, groups, pieces), piece = wu / groups % pieces;
     uint32_t s = g.rank, j = item;
     if (mode != kExpandOwn) sentItem(rt, W, skip, item, s, j);
     const uint8_t* src;
@@ -1248,7 +1254,7 @@ __device__ RouteEntry firstOwnEntries(const DispatchKernelArgs& a, uint32_t nOwn
   const uint32_t units = nOwn * tokenPieces(g), groups = rowGroups(units, numWarps, g.topK);
   have = warpId < units * groups;
   if (!have || threadIdx.x % 32 >= g.topK) return RouteEntry{-1, 0};
-  return pollEntry(a, g.rank, warpId / groups / tokenPieces(g), threadIdx.x % 32, round);
+  return pollEntry(a, g.rank, unitItem(warpId, groups, tokenPieces(g)), threadIdx.x % 32, round);
 }
 
 // The row tables built by the threads [first, blockDim.x) while warp 0 does something else (a fence that waits for
