@@ -25,6 +25,7 @@ const std::vector<EnvVar>& envVars() {
       {"EPCOMM_PRIVATE_TOKENS", "-1", "host/proxy backend: tokens in each sender's private area (-1: derived)"},
       {"EPCOMM_PROXY_CPU", "-1", "core to pin the progress/proxy thread to (-1: not pinned)"},
       {"EPCOMM_NVLINK_BLOCKS", "0", "nvlink backend: thread blocks per kernel (0: automatic)"},
+      {"EPCOMM_NVLINK_THREADS", "0", "nvlink backend: threads per block, 256 or 512 (0: automatic)"},
       {"EPCOMM_NVLINK_PULL", "-1",
        "nvlink backend: 1 = receivers read the peers' tokens from the peers' memory, 0 = senders store them into the "
        "receivers' memory, -1 = automatic (pull for batches of at least one work unit per warp)"},
@@ -95,6 +96,7 @@ Env readEnv() {
   e.privateTokens = envInt("EPCOMM_PRIVATE_TOKENS");
   e.proxyCpu = static_cast<int>(envInt("EPCOMM_PROXY_CPU"));
   e.nvlinkBlocks = static_cast<int>(envIntIn("EPCOMM_NVLINK_BLOCKS", 0, 1 << 16));
+  e.nvlinkThreads = static_cast<int>(envIntIn("EPCOMM_NVLINK_THREADS", 0, 512));
   e.nvlinkTrace = static_cast<int>(envInt("EPCOMM_NVLINK_TRACE"));
   e.nvlinkPull = static_cast<int>(envIntIn("EPCOMM_NVLINK_PULL", -1, 1));
   e.nvlinkPushQuarters = static_cast<int>(envIntIn("EPCOMM_NVLINK_PUSH_QUARTERS", -1, 4));

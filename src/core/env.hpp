@@ -29,7 +29,8 @@ struct Env {
   std::string fabricProvider;  ///< EPCOMM_FABRIC_PROVIDER: libfabric provider ("" = probe).
   int64_t privateTokens;       ///< EPCOMM_PRIVATE_TOKENS: host/proxy private area per sender (-1 = derived).
   int proxyCpu;                ///< EPCOMM_PROXY_CPU: core to pin progress/proxy threads to (-1 = none).
-  int nvlinkBlocks;            ///< EPCOMM_NVLINK_BLOCKS: SMs used by nvlink kernels (0 = auto).
+  int nvlinkBlocks;            ///< EPCOMM_NVLINK_BLOCKS: blocks of every nvlink kernel (0 = auto).
+  int nvlinkThreads;           ///< EPCOMM_NVLINK_THREADS: threads per nvlink block, 256 or 512 (0 = auto).
   int nvlinkTrace;             ///< EPCOMM_NVLINK_TRACE: per-block phase stamps, summary at destruction (2: per block).
   int nvlinkPull;              ///< EPCOMM_NVLINK_PULL: 1 pull, 0 push, -1 automatic (see nvlink::makeGeometry).
   int nvlinkPushQuarters;      ///< EPCOMM_NVLINK_PUSH_QUARTERS: pull mode's pushed share, -1 automatic.

@@ -41,18 +41,41 @@ namespace {
 
 using nvlink::Geometry;
 
+// Threads per block: 256 for batches of up to 256 tokens per rank (kSmallThreads), else 512 (kMaxThreads);
+// EPCOMM_NVLINK_THREADS overrides. With 256 a kernel takes twice the blocks of half the size: the same warps and
+// registers, spread over every SM instead of half of them (2x H200, decode T = 128: dispatch and combine ~0.5 us
+// faster, docs/nvlink.md, twenty-third pass). Larger batches keep 512: a routing block of 8 warps scans 256 tokens
+// per pass, and T = 512 needed two routing blocks that wait for each other (+6 us).
+uint32_t chooseThreads(const Config& c) {
+  const int t = env().nvlinkThreads;
+  EPCOMM_CHECK(t == 0 || t == static_cast<int>(nvlink::kSmallThreads) || t == static_cast<int>(nvlink::kMaxThreads),
+               kInvalidConfig, "EPCOMM_NVLINK_THREADS must be 0 (automatic), 256 or 512, not " << t);
+  if (t != 0) return static_cast<uint32_t>(t);
+  const uint64_t tokens = static_cast<uint64_t>(c.maxNumTokens) * c.numDpGroups();
+  return tokens <= nvlink::kSmallThreads ? nvlink::kSmallThreads : nvlink::kMaxThreads;
+}
+
 // Blocks per kernel. NOTE: all ranks must agree (a receiver counts B signals per sender per round); the value is
 // checked across ranks at setup. Even decode moves megabytes through HBM on the receiver (expansion ~7.6 MB of
 // writes, combine-send ~15 MB of expertY reads) and one SM keeps too few loads in flight to move more than a few tens
 // of GB/s, so more SMs help; the flags are counters, so more blocks cost only more increments (one per block).
-// But a fused kernel needs all its blocks co-resident (one block per SM: 512 threads x ~100 registers), and two
-// objects in flight on two streams need the sum of their blocks <= SMs or they can wait on each other until the
-// timeout: small batches (<= 512 tokens) therefore take half the SMs, large ones all. docs/nvlink.md has the sweep.
-uint32_t chooseBlocks(const Config& c, int smCount) {
-  if (env().nvlinkBlocks > 0) return static_cast<uint32_t>(std::min(env().nvlinkBlocks, smCount));
+// But a fused kernel needs all its blocks co-resident (512 threads x ~110 registers fill an SM's registers, 256 half
+// of them), and two objects in flight on two streams need the sum of their blocks to fit or they can wait on each
+// other until the timeout: small batches (<= 512 tokens) therefore take half of what fits, large ones all of it.
+// `slots`: the blocks of `threads` threads that fit the GPU at once. docs/nvlink.md has the sweep.
+uint32_t chooseBlocks(const Config& c, int smCount, uint32_t threads) {
+  const int slots = smCount * static_cast<int>(nvlink::kMaxThreads / threads);
+  if (env().nvlinkBlocks > 0) return static_cast<uint32_t>(std::min(env().nvlinkBlocks, slots));
   const uint64_t tokens = static_cast<uint64_t>(c.maxNumTokens) * c.numDpGroups();
-  const int b = tokens <= 512 ? smCount / 2 : smCount;
+  const int b = tokens <= 512 ? slots / 2 : slots;
   return static_cast<uint32_t>(std::max(1, b));
+}
+
+// The geometry of `config` on a GPU of `smCount` SMs, with the environment's overrides.
+Geometry geometryFor(const Config& config, int smCount) {
+  const uint32_t threads = chooseThreads(config);
+  return nvlink::makeGeometry(config, chooseBlocks(config, smCount, threads), env().nvlinkPull,
+                              env().nvlinkPushQuarters, env().nvlinkLines, threads);
 }
 
 int combineType(DType t) {
@@ -98,6 +121,7 @@ struct PeerInfo {
   char host[64];
   cudaIpcMemHandle_t handle;
   uint32_t blocks;
+  uint32_t threads;
   uint32_t pull;
   uint32_t pushQuarters;
   uint32_t lines;
@@ -112,8 +136,7 @@ class NvlinkAllToAll final : public AllToAll {
     EPCOMM_CHECK_CUDA(cudaSetDevice(device_));
     int sms = 0;
     EPCOMM_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
-    geo_ = nvlink::makeGeometry(config, chooseBlocks(config, sms), env().nvlinkPull, env().nvlinkPushQuarters,
-                                env().nvlinkLines);
+    geo_ = geometryFor(config, sms);
     const uint32_t W = config.worldSize;
     EPCOMM_CHECK(W <= nvlink::kMaxRanks, kUnavailable,
                  "nvlink backend supports at most " << nvlink::kMaxRanks << " ranks, got " << W);
@@ -153,6 +176,7 @@ class NvlinkAllToAll final : public AllToAll {
     PeerInfo mine{};
     gethostname(mine.host, sizeof(mine.host) - 1);
     mine.blocks = geo_.blocks;
+    mine.threads = geo_.threads;
     mine.pull = geo_.pull;
     mine.pushQuarters = geo_.pushQuarters;
     mine.lines = geo_.lines;
@@ -169,6 +193,10 @@ class NvlinkAllToAll final : public AllToAll {
                    "ranks disagree on nvlink blocks per kernel: rank " << r << " uses " << all[r].blocks << ", rank "
                                                                        << config.rank << " uses " << geo_.blocks
                                                                        << " (set EPCOMM_NVLINK_BLOCKS equally)");
+      EPCOMM_CHECK(all[r].threads == geo_.threads, kInvalidConfig,
+                   "ranks disagree on nvlink threads per block: rank " << r << " uses " << all[r].threads << ", rank "
+                                                                       << config.rank << " uses " << geo_.threads
+                                                                       << " (set EPCOMM_NVLINK_THREADS equally)");
       EPCOMM_CHECK(all[r].pull == geo_.pull, kInvalidConfig,
                    "ranks disagree on the nvlink transfer mode: rank " << r << (all[r].pull ? " pulls" : " pushes")
                                                                        << " (set EPCOMM_NVLINK_PULL equally)");
@@ -500,8 +528,7 @@ std::unique_ptr<AllToAll> createNvlink(const Config& config, Bootstrap& bootstra
 std::vector<PlannedBuffer> planNvlink(const Config& config) {
   config.validate();
   // The planner runs without a GPU: assume an H200's 132 SMs for the block count (only the counters depend on it).
-  const Geometry g = nvlink::makeGeometry(config, chooseBlocks(config, 132), env().nvlinkPull, env().nvlinkPushQuarters,
-                                          env().nvlinkLines);
+  const Geometry g = geometryFor(config, 132);
   const uint64_t W = config.worldSize, Ts = g.slotsPerSender, K = config.expertsPerToken;
   std::vector<PlannedBuffer> plan;
   auto add = [&](const char* name, const char* memory, uint64_t bytes, const std::string& note) {

@@ -421,19 +421,20 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
   const uint32_t R = g.routeBlocks;
   const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint32_t lo = min(n, chunk * g.routeChunk), hi = min(n, lo + g.routeChunk);
-  const bool emit = !g.lines;                          // entries and counts (see above)
-  uint32_t* bits = reinterpret_cast<uint32_t*>(smem);  // [kWarps][E]: lanes of the warp's 32 tokens per expert
-  int32_t* base = smem + kWarps * E;                   // [kWarps][E]: tokens before this warp's 32
-  int32_t* running = smem + 2 * kWarps * E;            // [E]
+  const bool emit = !g.lines;  // entries and counts (see above)
+  const uint32_t warps = blockDim.x / 32;
+  uint32_t* bits = reinterpret_cast<uint32_t*>(smem);  // [warps][E]: lanes of the warp's 32 tokens per expert
+  int32_t* base = smem + warps * E;                    // [warps][E]: tokens before this warp's 32
+  int32_t* running = smem + 2 * warps * E;             // [E]
   // The token count first: the receivers' row tables need it with the counts.
   if (chunk == 0 && threadIdx.x < W) {
     stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[threadIdx.x] + g.offNumTokens) + g.rank, tagWord(round, n));
   }
-  for (uint32_t i = threadIdx.x; i < kWarps * E; i += blockDim.x) bits[i] = 0;
+  for (uint32_t i = threadIdx.x; i < warps * E; i += blockDim.x) bits[i] = 0;
   for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) running[e] = 0;
   __syncthreads();
   tracePoint(a.st, kTrRouteSetup);
-  // One pass = up to kThreads tokens, one per lane of `tokenWarps` warps. When the pass has fewer tokens than the
+  // One pass = up to blockDim.x tokens, one per lane of `tokenWarps` warps. When the pass has fewer tokens than the
   // block has threads (decode: 128 tokens, 4 of 16 warps), the other warps take a share of the token's entry pairs
   // (k0, k0 + 1): warp = group * tokenWarps + token warp, group g marks and emits pairs g, g + groups, ... So a thread
   // does K / (2 * groups) pairs instead of K / 2 (decode K = 8: one pair), and the scan runs over tokenWarps rows.
@@ -442,8 +443,8 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
   // (different warps); exactly one does not, all have the same position, and neither expansion nor combine
   // depends on which one it is.
   auto pass = [&](uint32_t jb, bool emitEntries) {
-    const uint32_t tokenWarps = static_cast<uint32_t>(ceilDiv(min(hi - jb, kThreads), 32));
-    const uint32_t pairs = (K + 1) / 2, groups = min(pairs, kWarps / tokenWarps);
+    const uint32_t tokenWarps = static_cast<uint32_t>(ceilDiv(min(hi - jb, blockDim.x), 32));
+    const uint32_t pairs = (K + 1) / 2, groups = min(pairs, warps / tokenWarps);
     const uint32_t tw = warp % tokenWarps, group = warp / tokenWarps;
     const uint32_t j = jb + tw * 32 + lane;
     const bool active = j < hi && group < groups;
@@ -551,7 +552,7 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
   // once: only the routing blocks run it, so each instruction is an i-cache miss on first use.
   for (uint32_t phase = R > 1 ? 0 : 1; phase < 2; ++phase) {
     if (phase == 1 && R > 1 && !publishChunk()) return false;
-    for (uint32_t jb = lo; jb < hi; jb += kThreads) pass(jb, phase == 1 && emit);
+    for (uint32_t jb = lo; jb < hi; jb += blockDim.x) pass(jb, phase == 1 && emit);
   }
   // One routing block: after its positions its running counts are this rank's totals per expert, the receivers'
   // counts (with several, the last one sent them after the counting phase).
@@ -1044,14 +1045,15 @@ __device__ void fusedDispatchLines(const DispatchKernelArgs& a, int32_t* smem, u
   const bool lean = leanPayload > 0;
   const uint32_t P = lean ? leanPayload : payloadBlocks;
   const uint32_t firstLocal = R + P;
-  const uint32_t ownWarp = spreadWarp(blockIdx.x - firstLocal, B - firstLocal), ownWarps = (B - firstLocal) * kWarps;
+  const uint32_t ownWarp = spreadWarp(blockIdx.x - firstLocal, B - firstLocal),
+                 ownWarps = (B - firstLocal) * blockWarps(g);
   if (blockIdx.x < R) {
     if (!dispatchRouting(a, n, smem, blockIdx.x, sendRound)) return;
     tracePoint(a.st, kTrRouted);
     signalAllRanks(a.peers, g, kFlagDispatch);  // for the combine (pollSenders)
     if (lean) return;
   } else if (blockIdx.x < firstLocal) {
-    dispatchLines(a, n, spreadWarp(blockIdx.x - R, P), P * kWarps, allRanksMask(g) & ~(1u << g.rank), sendRound,
+    dispatchLines(a, n, spreadWarp(blockIdx.x - R, P), P * blockWarps(g), allRanksMask(g) & ~(1u << g.rank), sendRound,
                   lineIndexWarps(n, g.topK, ownWarps));
     tracePoint(a.st, kTrStored);
     if (lean) return;
@@ -1074,7 +1076,7 @@ __device__ void fusedDispatchLines(const DispatchKernelArgs& a, int32_t* smem, u
     expandLines<false>(a, lt, (ownWarp + ownWarps - ownUnits) % ownWarps, ownWarps, round, true);
     return;
   }
-  expandLines<false>(a, lt, spreadWarp(blockIdx.x, firstLocal), firstLocal * kWarps, round, true);
+  expandLines<false>(a, lt, spreadWarp(blockIdx.x, firstLocal), firstLocal * blockWarps(g), round, true);
 }
 
 // Which tokens expandTokens() writes and where it reads them.
@@ -1311,13 +1313,14 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
     // yet in (prefill: ~20 us in which they only waited) and the payload blocks stage the rest locally.
     if (pull && g.pushQuarters > 0) {
       dispatchPayload<kPushedSlots>(a, n, spreadWarp(blockIdx.x - firstLocal, B - firstLocal),
-                                    (B - firstLocal) * kWarps, peerRanks);
+                                    (B - firstLocal) * blockWarps(g), peerRanks);
     }
     // Pull mode: warp 0 alone signals. Its fence returns once the pushed share has landed (prefill: ~20 us), and the
     // other warps meanwhile build the row tables and start on this rank's own tokens (warp 0 joins them after).
     const uint32_t first = pull ? 32u : 0u;
     signalAllRanks(a.peers, g, kFlagDispatch);  // its barrier: every warp's pushes before the fence (cumulative)
-    const uint32_t ownWarp = spreadWarp(blockIdx.x - firstLocal, B - firstLocal), ownWarps = (B - firstLocal) * kWarps;
+    const uint32_t ownWarp = spreadWarp(blockIdx.x - firstLocal, B - firstLocal),
+                   ownWarps = (B - firstLocal) * blockWarps(g);
     // Push mode (decode-sized): the first unit's entries while the other ranks' counts are not in.
     bool havePre = false;
     RouteEntry pre{-1, 0};
@@ -1355,7 +1358,7 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
     if (!dispatchRouting(a, n, smem, blockIdx.x, sendRound)) return;
     tracePoint(a.st, kTrRouted);
   } else {
-    const uint32_t warp = spreadWarp(blockIdx.x - R, payloadBlocks), warps = payloadBlocks * kWarps;
+    const uint32_t warp = spreadWarp(blockIdx.x - R, payloadBlocks), warps = payloadBlocks * blockWarps(g);
     if (pull) {
       dispatchPayload<kPulledSlots>(a, n, warp, warps, peerRanks);
     } else {
@@ -1383,7 +1386,7 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
   if (kDynamic || (!kStatic && ownBlocksJoin(g, rt, firstLocal))) {
     expandTokens<true>(a, rt, kExpandPeers, n, queueOf(a.st, kQueueDispatchPeers, round), 0, 0, round);
   } else {
-    expandTokens<false>(a, rt, kExpandPeers, n, nullptr, spreadWarp(blockIdx.x, firstLocal), firstLocal * kWarps,
+    expandTokens<false>(a, rt, kExpandPeers, n, nullptr, spreadWarp(blockIdx.x, firstLocal), firstLocal * blockWarps(g),
                         round);
   }
 }
@@ -1394,7 +1397,7 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
 // fourteenth pass): the push kernel (71 KB) dispatched T = 128 in 17.3-18.0 us instead of 19.9-20.4, the pull kernel
 // (97 KB) prefill T = 4096 in 118.4-119.5 instead of 122.7-125.1 (fifteenth pass).
 template <bool kSend, bool kRecv, int kKind = kFusedAny>
-__global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKernelArgs a) {
+__global__ void __launch_bounds__(kMaxThreads, 1) dispatchKernel(const DispatchKernelArgs a) {
   extern __shared__ int32_t smem[];
   tracePoint(a.st, kTrEntry);
   const Preamble pre = loadPreamble(a.st, kSeqDispatchSend, kSeqDispatchRecv, kSend ? a.boundM : nullptr);
@@ -1440,11 +1443,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
       const uint32_t payloadBlocks = B > R ? B - R : B;
       const uint32_t blk = B > R ? blockIdx.x - R : blockIdx.x;
       if (g.lines) {
-        const uint32_t warp = spreadWarp(blk, payloadBlocks), warps = payloadBlocks * kWarps;
+        const uint32_t warp = spreadWarp(blk, payloadBlocks), warps = payloadBlocks * blockWarps(g);
         sendLineIndices(a, n, warp, warps, seq + 1);
         dispatchLines(a, n, warp, warps, allRanksMask(g), seq + 1, lineIndexWarps(n, g.topK, warps));
       } else {
-        dispatchPayload<kAllSlots>(a, n, spreadWarp(blk, payloadBlocks), payloadBlocks * kWarps, allRanksMask(g));
+        dispatchPayload<kAllSlots>(a, n, spreadWarp(blk, payloadBlocks), payloadBlocks * blockWarps(g),
+                                   allRanksMask(g));
       }
       tracePoint(a.st, kTrStored);
     }
@@ -1466,7 +1470,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
       if (blockIdx.x == 0) {
         for (uint32_t le = threadIdx.x; le < g.numLocalExperts; le += blockDim.x) a.outNumTokens[le] = lt.total[le];
       }
-      expandLines<false>(a, lt, spreadWarp(blockIdx.x, B), B * kWarps, seq, false);
+      expandLines<false>(a, lt, spreadWarp(blockIdx.x, B), B * blockWarps(g), seq, false);
       __syncthreads();
       tracePoint(a.st, kTrExit);
       if (threadIdx.x == 0) a.st.seq[kSeqDispatchRecv * B + blockIdx.x] = seq;
@@ -1488,7 +1492,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(const DispatchKern
     if (manyUnitsPerWarp(g, sentTokens(rt, g.worldSize, g.worldSize), B)) {
       expandTokens<true>(a, rt, kExpandAll, 0, queueOf(a.st, kQueueDispatchPeers, seq), 0, 0, seq);
     } else {
-      expandTokens<false>(a, rt, kExpandAll, 0, nullptr, spreadWarp(blockIdx.x, B), B * kWarps, seq);
+      expandTokens<false>(a, rt, kExpandAll, 0, nullptr, spreadWarp(blockIdx.x, B), B * blockWarps(g), seq);
     }
     __syncthreads();
     tracePoint(a.st, kTrExit);
@@ -1703,7 +1707,7 @@ __device__ void combineRecvBody(const CombineKernelArgs& a, uint32_t firstRanks,
   const Geometry& g = a.g;
   const char* local = a.peers[g.rank];
   const uint32_t lane = threadIdx.x % 32;
-  const uint32_t warpId = spreadWarp(blockIdx.x, gridDim.x), numWarps = gridDim.x * kWarps;
+  const uint32_t warpId = spreadWarp(blockIdx.x, gridDim.x), numWarps = gridDim.x * blockWarps(g);
   const uint32_t units = g.hiddenDim / N;
   OT* out = reinterpret_cast<OT*>(a.out);
   const uint32_t chunks = static_cast<uint32_t>(ceilDiv(units, 32 * kChunkU));
@@ -1778,7 +1782,7 @@ __device__ void combineRecvBody(const CombineKernelArgs& a, uint32_t firstRanks,
 }
 
 template <bool kSend, bool kRecv, typename PT, typename OT>
-__global__ void __launch_bounds__(kThreads, 1) combineKernel(const CombineKernelArgs a) {
+__global__ void __launch_bounds__(kMaxThreads, 1) combineKernel(const CombineKernelArgs a) {
   extern __shared__ int32_t smem[];
   tracePoint(a.st, kTrEntry);
   const Preamble pre = loadPreamble(a.st, kSeqCombineSend, kSeqCombineRecv, a.boundM);
@@ -1831,16 +1835,16 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(const CombineKernel
     };
     bool ok = true;
     if (g.dpSize == 1 && g.worldSize > 1) {
-      const uint32_t ownWarps = max(1u, kWarps / g.worldSize), warp = threadIdx.x / 32;
+      const uint32_t ownWarps = max(1u, blockWarps(g) / g.worldSize), warp = threadIdx.x / 32;
       const uint32_t first = B > R ? R : 0;
       if (warp < ownWarps) {
         if (blockIdx.x >= first)
           ok = body(kOwnSender, warp * (B - first) + (blockIdx.x - first), (B - first) * ownWarps);
       } else {
-        ok = body(kOtherSenders, (warp - ownWarps) * B + blockIdx.x, B * (kWarps - ownWarps));
+        ok = body(kOtherSenders, (warp - ownWarps) * B + blockIdx.x, B * (blockWarps(g) - ownWarps));
       }
     } else {
-      ok = body(kAllSenders, spreadWarp(blockIdx.x, B), B * kWarps);
+      ok = body(kAllSenders, spreadWarp(blockIdx.x, B), B * blockWarps(g));
     }
     tracePoint(a.st, kTrRoutesIn);
     if (__syncthreads_and(ok ? 1 : 0) == 0) return;
@@ -1939,11 +1943,12 @@ const void* combineFnFor(bool doSend, bool doRecv, int partialType, int outType)
 
 KernelLaunch dispatchLaunch(const DispatchKernelArgs& args, bool doSend, bool doRecv) {
   return KernelLaunch{dispatchFnFor(doSend, doRecv, doSend && doRecv ? fusedDispatchKind(args.g) : kFusedAny),
-                      args.g.blocks, kThreads, sharedBytes(args.g)};
+                      args.g.blocks, args.g.threads, sharedBytes(args.g)};
 }
 
 KernelLaunch combineLaunch(const CombineKernelArgs& args, bool doSend, bool doRecv, int partialType, int outType) {
-  return KernelLaunch{combineFnFor(doSend, doRecv, partialType, outType), args.g.blocks, kThreads, sharedBytes(args.g)};
+  return KernelLaunch{combineFnFor(doSend, doRecv, partialType, outType), args.g.blocks, args.g.threads,
+                      sharedBytes(args.g)};
 }
 
 int launchKernel(const KernelLaunch& l, const void* args, void* stream) {

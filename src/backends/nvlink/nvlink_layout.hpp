@@ -12,9 +12,11 @@ namespace nvlink {
 
 /// Most ranks one node can have (peer pointers travel by value in the kernel argument structs).
 constexpr uint32_t kMaxRanks = 16;
-/// Threads per block of every nvlink kernel (16 warps).
-constexpr uint32_t kThreads = 512;
-constexpr uint32_t kWarps = kThreads / 32;
+/// Threads per block of the nvlink kernels (Geometry::threads): 512 (16 warps), or 256 for small batches, where
+/// twice the blocks spread the same warps over every SM (chooseThreads in nvlink_backend.cc). The kernels' launch
+/// bound is 512 threads, one block per SM: at most 128 registers a thread, so two 256-thread blocks fit an SM too.
+constexpr uint32_t kMaxThreads = 512;
+constexpr uint32_t kSmallThreads = 256;
 
 /// One routing entry of a dispatched token, as the sender writes it into the receiver's buffer: which local expert
 /// of the receiver (or -1) and the token's position among the sender's tokens for that expert. `le` has kDupBit set
@@ -73,7 +75,8 @@ struct Geometry {
   uint32_t partialBytes;    ///< H * 4 (room for fp32 partials)
   uint32_t blocks;          ///< B: blocks of every kernel, equal on every rank (flags count B signals per round)
   uint32_t routeBlocks;     ///< R: blocks sharing the routing scan (R route signals per sender per round)
-  uint32_t routeChunk;      ///< tokens per routing block, a multiple of kThreads
+  uint32_t threads;         ///< threads per block (kMaxThreads or kSmallThreads), equal on every rank
+  uint32_t routeChunk;      ///< tokens per routing block, a multiple of threads
   uint32_t pull;            ///< 1: a sender stages its tokens in its own region and receivers read them over NVLink
   uint32_t pushQuarters;    ///< pull mode: slots j with j % 4 < pushQuarters are pushed into the receivers anyway
                             ///< (0-4; 0 in push mode)
@@ -81,6 +84,9 @@ struct Geometry {
   uint32_t linesPerSlot;    ///< line mode: 16-byte chunks of a token's stream / 7, rounded up
   uint64_t offFlags, offNumTokens, offCounts, offRoute, offRawIdx, offPayload, offWeights, offPartials, totalBytes;
 };
+
+/// Warps per block of g's kernels.
+EPCOMM_HD uint32_t blockWarps(const Geometry& g) { return g.threads / 32; }
 
 /// Line mode (after NCCL's LL128): a slot is a run of 128-byte lines, each 112 bytes (seven 16-byte chunks) of the
 /// token's stream (its payload bytes, then its scale words) and 16 bytes holding the sender's round. A warp stores a
@@ -163,7 +169,7 @@ constexpr int kUnroll = 8;
 /// were 2 units, so 128 tokens kept only half the own-token blocks' warps busy, each storing ~4 rows of 4 KiB).
 EPCOMM_HD uint32_t unitVectors(const Geometry& g) {
   const uint64_t full = ceilDiv(g.hiddenBytes / 16 == 0 ? 1 : g.hiddenBytes / 16, 32 * kUnroll);
-  return static_cast<uint64_t>(g.slotsPerSender) * g.worldSize * full <= static_cast<uint64_t>(g.blocks) * kWarps
+  return static_cast<uint64_t>(g.slotsPerSender) * g.worldSize * full <= static_cast<uint64_t>(g.blocks) * blockWarps(g)
              ? kUnroll / 2
              : kUnroll;
 }
@@ -185,7 +191,7 @@ constexpr uint32_t kJoinUnitsPerWarp = 4;
 /// Whether expanding `tokens` tokens gives the warps of `blocks` blocks more than kJoinUnitsPerWarp work units each:
 /// a prefill-sized round, expanded on a dynamic schedule (expandTokens).
 EPCOMM_HD bool manyUnitsPerWarp(const Geometry& g, uint64_t tokens, uint32_t blocks) {
-  return tokens * tokenPieces(g) > static_cast<uint64_t>(kJoinUnitsPerWarp) * blocks * kWarps;
+  return tokens * tokenPieces(g) > static_cast<uint64_t>(kJoinUnitsPerWarp) * blocks * blockWarps(g);
 }
 
 /// The fused dispatch kernels, each holding one mode's code only: instruction fetch bounded the dispatch while one
@@ -221,10 +227,10 @@ EPCOMM_HD uint32_t leanLinePayloadBlocks(const Geometry& g) {
   const uint64_t units = static_cast<uint64_t>(g.slotsPerSender) * linePieces(g);
   if (g.blocks < g.routeBlocks + 2) return 0;
   for (uint64_t per = 1; per <= kLeanUnitsPerWarp; ++per) {
-    uint64_t p = ceilDiv(units, kWarps * per);
+    uint64_t p = ceilDiv(units, blockWarps(g) * per);
     if (p < 1) p = 1;
     if (p > g.blocks - g.routeBlocks - 1) p = g.blocks - g.routeBlocks - 1;
-    const uint64_t expanderWarps = (g.blocks - g.routeBlocks - p) * static_cast<uint64_t>(kWarps);
+    const uint64_t expanderWarps = (g.blocks - g.routeBlocks - p) * static_cast<uint64_t>(blockWarps(g));
     if (units * g.worldSize <= expanderWarps * per) return static_cast<uint32_t>(p);
   }
   return 0;
@@ -242,8 +248,9 @@ EPCOMM_HD uint32_t leanLinePayloadBlocks(const Geometry& g) {
 /// its own (kFusedPush), which is ~1 us faster than lines at decode T = 1-32 and ~2 us at T = 128 with the lean split
 /// at two units per warp (docs/nvlink.md, fourteenth, fifteenth and twenty-first passes).
 inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1, int pushQuarters = -1,
-                             int lineMode = -1) {
+                             int lineMode = -1, uint32_t threads = kMaxThreads) {
   Geometry g{};
+  g.threads = threads;
   g.worldSize = c.worldSize;
   g.rank = c.rank;
   g.dpSize = c.dpSize;
@@ -258,14 +265,14 @@ inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1
   g.slotBytes = static_cast<uint32_t>(roundUpPow2(c.hiddenDimBytes + c.hiddenDimScaleBytes, 16));
   g.partialBytes = c.hiddenDim * 4;
   g.blocks = blocks;
-  // One routing block per kThreads tokens (decode: 1), at most a quarter of the blocks, so the fused kernel keeps
+  // One routing block per `threads` tokens (decode: 1), at most a quarter of the blocks, so the fused kernel keeps
   // payload and expansion blocks.
-  const uint64_t passes = ceilDiv(g.slotsPerSender, kThreads);
+  const uint64_t passes = ceilDiv(g.slotsPerSender, threads);
   const uint64_t maxRoute = blocks / 4 > 0 ? blocks / 4 : 1;
   g.routeBlocks = static_cast<uint32_t>(passes < maxRoute ? passes : maxRoute);
-  g.routeChunk = static_cast<uint32_t>(ceilDiv(passes, g.routeBlocks) * kThreads);
+  g.routeChunk = static_cast<uint32_t>(ceilDiv(passes, g.routeBlocks) * threads);
   const uint64_t fullUnits = ceilDiv(c.hiddenDimBytes > 0 ? c.hiddenDimBytes : 1, 4096) * g.slotsPerSender;
-  const bool pull = pullMode >= 0 ? pullMode != 0 : fullUnits >= static_cast<uint64_t>(blocks) * kWarps;
+  const bool pull = pullMode >= 0 ? pullMode != 0 : fullUnits >= static_cast<uint64_t>(blocks) * blockWarps(g);
   g.pull = c.worldSize > 1 && pull ? 1 : 0;
   g.pushQuarters = g.pull ? static_cast<uint32_t>(pushQuarters < 0 ? 1 : pushQuarters > 4 ? 4 : pushQuarters) : 0;
   const uint64_t W = c.worldSize, Ts = g.slotsPerSender, K = c.expertsPerToken;
@@ -335,7 +342,7 @@ EPCOMM_HD uint32_t rowTableWords(const Geometry& g) { return (g.worldSize + 2) *
 /// Dynamic shared memory of every nvlink kernel: the sender's routing scan (bits and bases per warp per expert,
 /// running counts), the receiver's row bases or (line mode) its line tables, whichever is largest.
 inline uint32_t sharedBytes(const Geometry& g) {
-  const uint64_t scan = (2ull * kWarps + 1) * g.numExperts * 4;
+  const uint64_t scan = (2ull * blockWarps(g) + 1) * g.numExperts * 4;
   const uint64_t rows = (rowTableWords(g) + 1) * 4;  // + the hand-off word of the fused dispatch's own blocks
   uint64_t most = scan > rows ? scan : rows;
   if (g.lines && lineTableBytes(g) > most) most = lineTableBytes(g);

@@ -151,11 +151,29 @@ TEST(NvlinkLayout, RoutingBlocksFollowTheTokenCount) {
     for (uint32_t blocks : {1u, 4u, 8u, 66u, 132u}) {
       const nvlink::Geometry g = nvlink::makeGeometry(make(tokens, 2, 8), blocks);
       EXPECT_GE(static_cast<uint64_t>(g.routeBlocks) * g.routeChunk, g.slotsPerSender) << tokens << " " << blocks;
-      EXPECT_EQ(g.routeChunk % nvlink::kThreads, 0u);
+      EXPECT_EQ(g.routeChunk % g.threads, 0u);
       EXPECT_GE(g.routeBlocks, 1u);
       EXPECT_LE(g.routeBlocks, blocks / 4 > 0 ? blocks / 4 : 1u);
     }
   }
+}
+
+TEST(NvlinkLayout, SmallBlocksHalveTheRoutingPassAndItsSharedMemory) {
+  // 256-thread blocks (small batches): a routing pass covers 256 tokens, its scan tables have 8 warps' rows, and the
+  // kernel's warps (blocks x 8) are what 66 blocks of 512 threads had.
+  const nvlink::Geometry big = nvlink::makeGeometry(make(128, 2, 8), 66);
+  const nvlink::Geometry small = nvlink::makeGeometry(make(128, 2, 8), 132, -1, -1, -1, nvlink::kSmallThreads);
+  EXPECT_EQ(big.threads, nvlink::kMaxThreads);
+  EXPECT_EQ(nvlink::blockWarps(small), 8u);
+  EXPECT_EQ(small.blocks * nvlink::blockWarps(small), big.blocks * nvlink::blockWarps(big));
+  EXPECT_EQ(small.routeChunk, 256u);
+  EXPECT_LT(nvlink::sharedBytes(small), nvlink::sharedBytes(big));
+  EXPECT_EQ(nvlink::unitVectors(small), nvlink::unitVectors(big));
+  EXPECT_EQ(nvlink::fusedDispatchKind(small), nvlink::fusedDispatchKind(big));
+  // 300 tokens at 256 threads: two passes, still one routing block.
+  const nvlink::Geometry two = nvlink::makeGeometry(make(300, 2, 8), 132, -1, -1, -1, nvlink::kSmallThreads);
+  EXPECT_EQ(two.routeBlocks, 2u);
+  EXPECT_EQ(two.routeChunk, 256u);
 }
 
 TEST(NvlinkLayout, RouteIndexIsABijectionIntoTheRouteArea) {

@@ -12,9 +12,10 @@ struct Result {
   std::string output;  // stdout and stderr together
 };
 
-Result runPlan(const std::string& args) {
+// `env`: variable assignments for the process (e.g. "EPCOMM_NVLINK_THREADS=300").
+Result runPlan(const std::string& args, const std::string& env = "") {
   Result r;
-  const std::string cmd = std::string(EPCOMM_PLAN_EXE) + " " + args + " 2>&1";
+  const std::string cmd = (env.empty() ? "" : "env " + env + " ") + std::string(EPCOMM_PLAN_EXE) + " " + args + " 2>&1";
   FILE* pipe = popen(cmd.c_str(), "r");
   if (pipe == nullptr) return r;
   char buf[4096];
@@ -75,6 +76,14 @@ TEST(PlanCli, BadArgumentsExitWith2) {
     EXPECT_EQ(r.code, 2) << c.args << ": " << r.output;
     EXPECT_TRUE(has(r, c.message)) << c.args << ": " << r.output;
   }
+}
+
+TEST(PlanCli, NvlinkThreadsFromTheEnvironment) {
+  const Result ok = runPlan("--config decode --world 2 --backend nvlink --tokens 128", "EPCOMM_NVLINK_THREADS=512");
+  EXPECT_EQ(ok.code, 0) << ok.output;
+  const Result bad = runPlan("--config decode --world 2 --backend nvlink", "EPCOMM_NVLINK_THREADS=300");
+  EXPECT_NE(bad.code, 0) << bad.output;
+  EXPECT_TRUE(has(bad, "EPCOMM_NVLINK_THREADS must be 0 (automatic), 256 or 512, not 300")) << bad.output;
 }
 
 TEST(PlanCli, Help) {
