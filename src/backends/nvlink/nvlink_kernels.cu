@@ -312,9 +312,10 @@ __device__ __forceinline__ void groupSync(uint32_t first) {
 
 // The group [first, blockDim.x): the first row of every local expert from the experts' row totals. Batched layout:
 // 0 (the expert stride does the work), stored by the whole group. Packed: the prefix sum of the padded totals, by the
-// group's first warp, 32 experts per step (a chain of shuffles: ~1.2 us for 256 experts on H200, which every receiver
-// of the batched layout also spent on its way to its tables until it got its own path; docs/nvlink.md, twenty-second
-// pass). The caller synchronises afterwards.
+// group's first warp: each lane sums a run of ceil(L / 32) consecutive experts, one warp scan of the 32 sums, then
+// each lane writes its run's bases. (It was a scan per 32 experts, a chain of L / 32 x 5 dependent shuffles: ~1.2 us
+// for 256 experts on H200, which every receiver of the batched layout also spent on its way to its tables until it
+// got its own path; docs/nvlink.md, twenty-second pass.) The caller synchronises afterwards.
 __device__ void expertRowBases(const int32_t* total, int32_t* rowBase, uint32_t L, bool packed, uint32_t padding,
                                uint32_t first = 0) {
   if (threadIdx.x < first) return;
@@ -323,19 +324,22 @@ __device__ void expertRowBases(const int32_t* total, int32_t* rowBase, uint32_t 
     return;
   }
   if (threadIdx.x >= first + 32) return;
-  const uint32_t lane = threadIdx.x - first;
-  int32_t carry = 0;
-  for (uint32_t c = 0; c < L; c += 32) {
-    const uint32_t le = c + lane;
-    int32_t v = 0;
-    if (le < L) v = static_cast<int32_t>(roundUpPow2(static_cast<uint64_t>(total[le]), padding));
-    int32_t inc = v;
-    for (int o = 1; o < 32; o <<= 1) {
-      int32_t n = __shfl_up_sync(0xffffffffu, inc, o);
-      if (lane >= static_cast<uint32_t>(o)) inc += n;
-    }
-    if (le < L) rowBase[le] = carry + inc - v;
-    carry += __shfl_sync(0xffffffffu, inc, 31);
+  const uint32_t lane = threadIdx.x - first, run = (L + 31) / 32;
+  const uint32_t lo = min(L, lane * run), hi = min(L, lo + run);
+  auto padded = [&](uint32_t le) {
+    return static_cast<int32_t>(roundUpPow2(static_cast<uint64_t>(total[le]), padding));
+  };
+  int32_t sum = 0;
+  for (uint32_t le = lo; le < hi; ++le) sum += padded(le);
+  int32_t inc = sum;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int32_t n = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= static_cast<uint32_t>(o)) inc += n;
+  }
+  int32_t base = inc - sum;
+  for (uint32_t le = lo; le < hi; ++le) {
+    rowBase[le] = base;
+    base += padded(le);
   }
 }
 
