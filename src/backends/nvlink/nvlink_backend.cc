@@ -46,13 +46,15 @@ using nvlink::Geometry;
 // registers, spread over every SM instead of half of them (2x H200, decode T = 128: dispatch and combine ~0.5 us
 // faster, docs/nvlink.md, twenty-third pass). Larger batches keep 512: a routing block of 8 warps scans 256 tokens
 // per pass, and T = 512 needed two routing blocks that wait for each other (+6 us).
+// Tokens of one call of `c` on one rank at most (every dp group's): what the block shape follows.
+uint64_t batchTokens(const Config& c) { return static_cast<uint64_t>(c.maxNumTokens) * c.numDpGroups(); }
+
 uint32_t chooseThreads(const Config& c) {
   const int t = env().nvlinkThreads;
   EPCOMM_CHECK(t == 0 || t == static_cast<int>(nvlink::kSmallThreads) || t == static_cast<int>(nvlink::kMaxThreads),
                kInvalidConfig, "EPCOMM_NVLINK_THREADS must be 0 (automatic), 256 or 512, not " << t);
   if (t != 0) return static_cast<uint32_t>(t);
-  const uint64_t tokens = static_cast<uint64_t>(c.maxNumTokens) * c.numDpGroups();
-  return tokens <= nvlink::kSmallThreads ? nvlink::kSmallThreads : nvlink::kMaxThreads;
+  return batchTokens(c) <= nvlink::kSmallThreads ? nvlink::kSmallThreads : nvlink::kMaxThreads;
 }
 
 // Blocks per kernel. NOTE: all ranks must agree (a receiver counts B signals per sender per round); the value is
@@ -66,8 +68,7 @@ uint32_t chooseThreads(const Config& c) {
 uint32_t chooseBlocks(const Config& c, int smCount, uint32_t threads) {
   const int slots = smCount * static_cast<int>(nvlink::kMaxThreads / threads);
   if (env().nvlinkBlocks > 0) return static_cast<uint32_t>(std::min(env().nvlinkBlocks, slots));
-  const uint64_t tokens = static_cast<uint64_t>(c.maxNumTokens) * c.numDpGroups();
-  const int b = tokens <= 512 ? slots / 2 : slots;
+  const int b = batchTokens(c) <= 512 ? slots / 2 : slots;
   return static_cast<uint32_t>(std::max(1, b));
 }
 
@@ -322,7 +323,7 @@ class NvlinkAllToAll final : public AllToAll {
     } else {
       checkOrder();
     }
-    return cache[callSlot(a.doSend, a.doRecv)];
+    return cache[slot];
   }
 
   // Checks a dispatch call's arguments (then its place in the call order) and packs them into the kernel's, kept in

@@ -425,8 +425,8 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
   const uint32_t R = g.routeBlocks;
   const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint32_t lo = min(n, chunk * g.routeChunk), hi = min(n, lo + g.routeChunk);
-  const bool emit = !g.lines;  // entries and counts (see above)
-  const uint32_t warps = blockDim.x / 32;
+  const bool emit = !g.lines;                          // entries and counts (see above)
+  const uint32_t warps = blockWarps(g);                // the scan tables' rows, as sharedBytes(g) sized them
   uint32_t* bits = reinterpret_cast<uint32_t*>(smem);  // [warps][E]: lanes of the warp's 32 tokens per expert
   int32_t* base = smem + warps * E;                    // [warps][E]: tokens before this warp's 32
   int32_t* running = smem + 2 * warps * E;             // [E]
