@@ -30,8 +30,16 @@ std::vector<BackendEntry> backendTable() {
 #else
       {"nvlink", false, true, nullptr, nullptr},
 #endif
+#ifdef EPCOMM_HAVE_NVSHMEM_BACKEND
+      {"nvshmem", true, false, &backends::nvshmemUsable, &backends::createNvshmem},
+#else
       {"nvshmem", false, false, nullptr, nullptr},
+#endif
+#ifdef EPCOMM_HAVE_PROXY_BACKEND
+      {"proxy", true, false, &backends::proxyUsable, &backends::createProxy},
+#else
       {"proxy", false, false, nullptr, nullptr},
+#endif
 #ifdef EPCOMM_HAVE_HOST_BACKEND
       {"host", true, false, &backends::hostUsable, &backends::createHost},
 #else

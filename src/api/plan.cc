@@ -73,8 +73,18 @@ std::vector<PlannedBuffer> planBuffers(const Config& config, const std::string& 
 #else
     own.push_back(notBuilt(backend));
 #endif
-  } else if (!backend.empty()) {
+  } else if (backend == "nvshmem") {
+#ifdef EPCOMM_HAVE_NVSHMEM_BACKEND
+    own = backends::planNvshmem(c);
+#else
     own.push_back(notBuilt(backend));
+#endif
+  } else if (backend == "proxy") {
+#ifdef EPCOMM_HAVE_PROXY_BACKEND
+    own = backends::planProxy(c);
+#else
+    own.push_back(notBuilt(backend));
+#endif
   }
   plan.insert(plan.end(), own.begin(), own.end());
   return plan;

@@ -18,6 +18,14 @@ std::unique_ptr<AllToAll> createHost(const Config& config, Bootstrap& bootstrap)
 bool nvlinkUsable(std::string* whyNot);
 std::unique_ptr<AllToAll> createNvlink(const Config& config, Bootstrap& bootstrap);
 
+/// NVSHMEM kernels (symmetric heap, put-with-signal); NVSHMEM is initialised once per process from the bootstrap.
+bool nvshmemUsable(std::string* whyNot);
+std::unique_ptr<AllToAll> createNvshmem(const Config& config, Bootstrap& bootstrap);
+
+/// GPU kernels + a host proxy thread over the TransferEngine; NVLink for same-node peers.
+bool proxyUsable(std::string* whyNot);
+std::unique_ptr<AllToAll> createProxy(const Config& config, Bootstrap& bootstrap);
+
 }  // namespace backends
 }  // namespace epcomm
 
@@ -29,5 +37,7 @@ namespace backends {
 /// The backend's own buffers for a config (the planner adds the caller's outputs). Pure arithmetic, no allocation.
 std::vector<PlannedBuffer> planHost(const Config& config);
 std::vector<PlannedBuffer> planNvlink(const Config& config);
+std::vector<PlannedBuffer> planNvshmem(const Config& config);
+std::vector<PlannedBuffer> planProxy(const Config& config);
 }  // namespace backends
 }  // namespace epcomm
