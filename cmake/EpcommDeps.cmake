@@ -40,6 +40,12 @@ set(EPCOMM_HAVE_LIBFABRIC OFF)
 if(EPCOMM_WITH_LIBFABRIC)
   find_path(LIBFABRIC_INCLUDE_DIR rdma/fabric.h)
   find_library(LIBFABRIC_LIBRARY NAMES fabric libfabric.so.1)
+  # A machine with the library but without its development files (the GPU image): libfabric's own headers, kept
+  # in third_party/ (1.17, the ABI that libfabric.so.1 keeps), against the installed libfabric.so.1.
+  if(LIBFABRIC_LIBRARY AND NOT LIBFABRIC_INCLUDE_DIR)
+    set(LIBFABRIC_INCLUDE_DIR ${PROJECT_SOURCE_DIR}/third_party/libfabric/include CACHE PATH "" FORCE)
+    message(STATUS "epcomm: libfabric headers from third_party/libfabric (library ${LIBFABRIC_LIBRARY})")
+  endif()
   if(LIBFABRIC_INCLUDE_DIR AND LIBFABRIC_LIBRARY)
     set(EPCOMM_HAVE_LIBFABRIC ON)
   else()
