@@ -216,9 +216,16 @@ CheckedCombine checkCombineArgs(const Config& c, const CombineArgs& a, MemoryKin
     checkDim("outTokens", a.outTokens, 1, c.hiddenDim, "hiddenDim H");
     checkInnerContiguous("outTokens", a.outTokens);
     checkAligned("outTokens", a.outTokens, 16);
-    out.m = static_cast<uint32_t>(a.outTokens.shape[0]);
     out.outRowStride = a.outTokens.strides[0];
     checkMemory("indices", a.indices, memory, device);
+    checkDims("indices", a.indices, 2);
+    // The tokens are indices' rows. outTokens may have more rows (pplx-kernels' callers pass one buffer of
+    // maxNumTokens rows for every batch): rows >= m are never written.
+    EPCOMM_CHECK(a.indices.shape[0] <= a.outTokens.shape[0], kInvalidArgument,
+                 "indices has " << a.indices.shape[0] << " tokens but outTokens only " << a.outTokens.shape[0]
+                                << " rows: indices dimension 0 must be at most " << a.outTokens.shape[0]
+                                << " (one outTokens row per token)");
+    out.m = static_cast<uint32_t>(a.indices.shape[0]);
     checkIndices(c, "indices", a.indices, out.m);
     out.indexKind = indexKindOf(a.indices.dtype);
     out.indexStrides[0] = a.indices.strides[0];

@@ -20,7 +20,7 @@ struct CheckedDispatch {
 };
 
 struct CheckedCombine {
-  uint32_t m = 0;
+  uint32_t m = 0;  ///< Tokens given (indices.shape[0]); outTokens may have more rows, which are never written.
   int indexKind = 0;
   int64_t indexStrides[2] = {0, 0};
   int64_t weightStrides[2] = {0, 0};

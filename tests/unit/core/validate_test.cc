@@ -505,7 +505,24 @@ TEST_F(ValidateTest, OutTokensRowStrideNotMultipleOf16) {
 }
 
 TEST_F(ValidateTest, CombineIndicesWrongTokens) {
-  expectCombineError([](CombineArgs& a) { a.indices.shape[0] = 4; }, {"indices dimension 0 must be 3"});
+  expectCombineError([](CombineArgs& a) { a.indices.shape[0] = 4; },
+                     {"indices has 4 tokens but outTokens only 3 rows", "indices dimension 0 must be at most 3"});
+}
+
+// pplx-kernels' callers pass one outTokens buffer of maxNumTokens rows for every batch: the tokens are indices'
+// rows, and weights follow indices.
+TEST_F(ValidateTest, CombineOutTokensMayHaveMoreRowsThanIndices) {
+  HostTensor out4(DType::kF32, {4, 16});
+  c_.outTokens = out4.view();
+  const CheckedCombine c = checkCombineArgs(config_, c_, MemoryKind::kHost, -1);
+  EXPECT_EQ(c.m, 3u);
+  EXPECT_EQ(c.outRowStride, 16);
+  expectCombineError(
+      [&](CombineArgs& a) {
+        a.outTokens = out4.view();
+        a.weights.shape[0] = 4;
+      },
+      {"weights dimension 0 must be 3"});
 }
 
 TEST_F(ValidateTest, CombineIndicesWrongMemory) {
