@@ -12,8 +12,17 @@ std::string where(MemoryKind memory, int device) {
   return memory == MemoryKind::kCuda ? "cuda:" + std::to_string(device) : std::string("host");
 }
 
+// A tensor with a zero dimension holds no element: frameworks give it any strides (numpy (0, 0)) and may give it
+// no storage (torch's empty CUDA tensors have a null data pointer), and nothing ever reads through it.
+bool hasNoElements(const TensorView& t) {
+  for (int d = 0; d < t.ndim; ++d) {
+    if (t.shape[d] == 0) return true;
+  }
+  return false;
+}
+
 void checkMemory(const char* name, const TensorView& t, MemoryKind memory, int device) {
-  EPCOMM_CHECK(t.data != nullptr, kInvalidArgument, name << " has a null data pointer");
+  EPCOMM_CHECK(t.data != nullptr || hasNoElements(t), kInvalidArgument, name << " has a null data pointer");
   EPCOMM_CHECK(
       t.memory == memory && (memory == MemoryKind::kHost || t.device == device), kInvalidArgument,
       name << " lives in " << where(t.memory, t.device) << " memory but this backend needs " << where(memory, device));
@@ -29,11 +38,13 @@ void checkDim(const char* name, const TensorView& t, int d, int64_t expected, co
 }
 
 void checkInnerContiguous(const char* name, const TensorView& t) {
+  if (hasNoElements(t)) return;
   EPCOMM_CHECK(t.strides[t.ndim - 1] == 1, kInvalidArgument,
                name << " must be contiguous in its last dimension, got " << t.toString());
 }
 
 void checkAligned(const char* name, const TensorView& t, int64_t alignBytes) {
+  if (hasNoElements(t)) return;
   EPCOMM_CHECK(reinterpret_cast<uintptr_t>(t.data) % alignBytes == 0, kInvalidArgument,
                name << " data pointer " << t.data << " is not " << alignBytes << "-byte aligned");
   const int64_t item = dtypeSize(t.dtype);
@@ -45,6 +56,7 @@ void checkAligned(const char* name, const TensorView& t, int64_t alignBytes) {
 }
 
 void checkNonNegativeStrides(const char* name, const TensorView& t) {
+  if (hasNoElements(t)) return;
   for (int d = 0; d < t.ndim; ++d) {
     EPCOMM_CHECK(t.strides[d] >= 0, kInvalidArgument, name << " has a negative stride: " << t.toString());
   }

@@ -229,6 +229,33 @@ TEST(HostBackend, NoOverflowWhenPrivateAreaSuffices) {
   EXPECT_TRUE(result.allOk()) << result.summary();
 }
 
+// ---- Empty batches: a rank with no tokens (null data, strides (0, 0)) still takes its part in every round. ----
+
+TEST(HostBackend, EmptyBatchTakesPartInTheRound) {
+  SKIP_WITHOUT("tcp");
+  for (uint32_t D : {1u, 2u}) {
+    Scenario sc;
+    sc.W = 4;
+    sc.D = D;
+    sc.E = 8;
+    sc.K = 3;
+    sc.scales = true;
+    sc.xDtype = DType::kFp8E4M3;
+    sc.options.provider = "tcp";
+    sc.options.privateTokens = 2;
+    sc.bareEmpty = true;
+    sc.emptyGroup = 1;  // ranks 1 (D = 1) or 2 and 3 (D = 2) have m = 0 in every round
+    runScenario(sc, 3);
+    runScenario(sc, 2, CallMode::kSplit);
+    sc.emptyGroup = -1;
+    sc.ragged = true;  // some groups empty in some rounds, with and without boundM
+    sc.layout = Layout::kPacked;
+    sc.padding = 16;
+    sc.seed = 9;
+    runScenario(sc, 8);
+  }
+}
+
 // ---- Many rounds with fresh routing: buffer reuse across rounds must never mix data. ----
 
 TEST(HostBackend, ThousandRounds) {

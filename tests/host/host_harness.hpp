@@ -35,6 +35,9 @@ struct Scenario {
   RouteMode route = RouteMode::kUniform;
   bool ragged = false;  ///< Random m (sometimes 0) and boundM per DP group.
   bool accumulate = false;
+  /// A rank with m = 0 describes its 0-row tensors as frameworks may: null data pointer, strides (0, 0).
+  bool bareEmpty = false;
+  int emptyGroup = -1;  ///< This DP group has m = 0 in every round (-1: none).
   uint64_t seed = 1;
   host::HostOptions options;
 
@@ -67,6 +70,7 @@ struct RankInputs {
   uint32_t m = 0;
   int32_t bound = 0;
   bool useBound = false;
+  bool bareEmpty = false;  ///< See Scenario::bareEmpty.
   reference::HostTensor x, xScale, indices, weights, expertY, outInit;
 };
 
@@ -85,6 +89,7 @@ inline std::vector<RankInputs> makeRound(const Scenario& sc, uint32_t round) {
       in.m = r == 0 ? 0 : static_cast<uint32_t>(splitmix(st) % (sc.T + 1));
       in.useBound = splitmix(st) % 2 == 0;
     }
+    if (static_cast<int>(g) == sc.emptyGroup) in.m = 0;
     in.bound = in.useBound ? static_cast<int32_t>(in.m == 0 ? 0 : splitmix(st) % (in.m + 1)) : in.m;
     const int64_t m = in.m;
     const int64_t xCols = c.hiddenDimBytes / dtypeSize(sc.xDtype);
@@ -116,6 +121,7 @@ inline std::vector<RankInputs> makeRound(const Scenario& sc, uint32_t round) {
     for (uint32_t d = 0; d < sc.D; ++d) {
       RankInputs& r = all[g * sc.D + d];
       r.m = in.m;
+      r.bareEmpty = sc.bareEmpty;
       r.bound = in.bound;
       r.useBound = in.useBound;
       auto copy = [](const reference::HostTensor& src) {
@@ -172,23 +178,34 @@ struct DispatchOutputs {
   }
 };
 
+/// The view of a per-token tensor of `in`: as given, or bare (null data, strides (0, 0)) when it has no rows and the
+/// scenario asks for that.
+inline TensorView tokenView(const RankInputs& in, const reference::HostTensor& t) {
+  TensorView v = t.view();
+  if (in.m == 0 && in.bareEmpty && v.defined()) {
+    v.data = nullptr;
+    for (int d = 0; d < v.ndim; ++d) v.strides[d] = 0;
+  }
+  return v;
+}
+
 inline DispatchArgs dispatchArgs(const RankInputs& in, const DispatchOutputs& out) {
   DispatchArgs a;
   a.outExpertNumTokens = out.numTokens.view();
   a.outExpertX = out.x.view();
   a.outExpertXScale = out.scale.view();
-  a.x = in.x.view();
-  a.xScale = in.xScale.view();
-  a.indices = in.indices.view();
+  a.x = tokenView(in, in.x);
+  a.xScale = tokenView(in, in.xScale);
+  a.indices = tokenView(in, in.indices);
   a.boundM = in.useBound ? &in.bound : nullptr;
   return a;
 }
 
 inline CombineArgs combineArgs(const RankInputs& in, const reference::HostTensor& out) {
   CombineArgs a;
-  a.outTokens = out.view();
-  a.indices = in.indices.view();
-  a.weights = in.weights.view();
+  a.outTokens = tokenView(in, out);
+  a.indices = tokenView(in, in.indices);
+  a.weights = tokenView(in, in.weights);
   a.expertY = in.expertY.view();
   a.boundM = in.useBound ? &in.bound : nullptr;
   return a;

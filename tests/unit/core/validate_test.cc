@@ -144,6 +144,55 @@ TEST_F(ValidateTest, XNullData) {
   expectDispatchError([](DispatchArgs& a) { a.x.data = nullptr; }, {"x has a null data pointer"});
 }
 
+// m = 0: a rank with no tokens this step still takes part in the round. Frameworks describe 0-row tensors freely:
+// numpy's np.zeros((0, H)) can arrive with strides (0, 0), torch's empty CUDA tensors with a null data pointer.
+TEST_F(ValidateTest, EmptyBatchWithAnyStridesOrNullData) {
+  for (bool nullData : {false, true}) {
+    for (int64_t stride : {int64_t{0}, int64_t{3}, int64_t{16}}) {
+      DispatchArgs d = d_;
+      CombineArgs c = c_;
+      void* data = nullData ? nullptr : bigData(1);  // misaligned too: no element is ever read through it
+      d.x = TensorView::strided(data, DType::kBf16, {0, 16}, {stride, stride});
+      d.xScale = TensorView::strided(data, DType::kF32, {0, 2}, {stride, stride});
+      d.indices = TensorView::strided(data, DType::kI64, {0, 2}, {stride, stride});
+      c.outTokens = TensorView::strided(data, DType::kF32, {0, 16}, {stride, stride});
+      c.indices = d.indices;
+      c.weights = TensorView::strided(data, DType::kF32, {0, 2}, {stride, stride});
+      const CheckedDispatch cd = checkDispatchArgs(config_, d, MemoryKind::kHost, -1);
+      EXPECT_EQ(cd.m, 0u);
+      const CheckedCombine cc = checkCombineArgs(config_, c, MemoryKind::kHost, -1);
+      EXPECT_EQ(cc.m, 0u);
+    }
+  }
+}
+
+TEST_F(ValidateTest, EmptyBatchStillChecksShapesDtypesAndMemory) {
+  auto empty = [](DType dtype, int64_t cols) { return TensorView::strided(nullptr, dtype, {0, cols}, {0, 0}); };
+  expectDispatchError([&](DispatchArgs& a) { a.x = empty(DType::kBf16, 8); }, {"x rows are 16 bytes"});
+  expectDispatchError(
+      [&](DispatchArgs& a) {
+        a.x = empty(DType::kBf16, 16);
+        a.indices = empty(DType::kI32, 3);
+      },
+      {"indices dimension 1 must be 2"});
+  expectDispatchError(
+      [&](DispatchArgs& a) {
+        a.x = empty(DType::kBf16, 16);
+        a.x.memory = MemoryKind::kCuda;
+        a.x.device = 0;
+      },
+      {"x lives in cuda:0 memory"});
+  expectCombineError(
+      [&](CombineArgs& a) {
+        a.outTokens = empty(DType::kF32, 16);
+        a.indices = empty(DType::kI32, 2);
+        a.weights = empty(DType::kBf16, 2);
+      },
+      {"weights must be fp32"});
+  // A 0-row tensor is given; a tensor with rows still needs its data.
+  expectDispatchError([](DispatchArgs& a) { a.indices.data = nullptr; }, {"indices has a null data pointer"});
+}
+
 TEST_F(ValidateTest, XWrongMemoryKind) {
   expectDispatchError(
       [](DispatchArgs& a) {
