@@ -5,6 +5,7 @@
 
 #include "api/factory_detail.hpp"
 #include "backends/backends.hpp"
+#include "core/agreement.hpp"
 #include "core/env.hpp"
 #include "core/log.hpp"
 #include "epcomm/all_to_all.hpp"
@@ -104,6 +105,9 @@ std::unique_ptr<AllToAll> createAllToAll(const Config& config, Bootstrap& bootst
   EPCOMM_CHECK(static_cast<int>(config.rank) == bootstrap.rank(), kInvalidArgument,
                "config.rank = " << config.rank << " but the bootstrap says rank " << bootstrap.rank());
   setLogRank(bootstrap.rank());
+  // Ranks whose configs differ would construct fine and then fail in the first round (or compute wrong results)
+  // with errors that do not say why: compare them once, here, on every rank.
+  checkSettingsAgree(bootstrap, "config", configSettings(config));
   std::string wanted = backend.empty() ? std::string("auto") : backend;
   if (wanted == "auto") wanted = env().backend;
   const std::vector<BackendEntry> table = backendTable();

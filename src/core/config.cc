@@ -1,7 +1,9 @@
 #include "epcomm/config.hpp"
 
+#include <algorithm>
 #include <sstream>
 
+#include "core/agreement.hpp"
 #include "core/layout.hpp"
 #include "epcomm/error.hpp"
 
@@ -109,6 +111,113 @@ Config standardConfig(const std::string& name, uint32_t worldSize, uint32_t rank
     EPCOMM_THROW(kInvalidArgument, "unknown standard config '" << name << "' (decode, prefill, small, qwen3)");
   }
   return c;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Settings every rank must agree on (core/agreement.hpp).
+
+namespace {
+
+// "name\0value\0" per setting: names and values never contain a NUL.
+std::vector<uint8_t> serializeSettings(const std::vector<AgreedSetting>& settings) {
+  std::vector<uint8_t> out;
+  for (const AgreedSetting& s : settings) {
+    out.insert(out.end(), s.name.begin(), s.name.end());
+    out.push_back(0);
+    out.insert(out.end(), s.value.begin(), s.value.end());
+    out.push_back(0);
+  }
+  return out;
+}
+
+std::vector<AgreedSetting> parseSettings(const std::vector<uint8_t>& bytes) {
+  std::vector<AgreedSetting> out;
+  size_t pos = 0;
+  auto next = [&]() {
+    const size_t end = std::find(bytes.begin() + pos, bytes.end(), uint8_t{0}) - bytes.begin();
+    std::string field(reinterpret_cast<const char*>(bytes.data()) + pos, end - pos);
+    pos = end < bytes.size() ? end + 1 : end;
+    return field;
+  };
+  while (pos < bytes.size()) {
+    AgreedSetting s;
+    s.name = next();
+    s.value = next();
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+uint64_t digestOf(const std::vector<uint8_t>& bytes) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a 64
+  for (uint8_t b : bytes) {
+    h ^= b;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+}  // namespace
+
+std::string settingsDifference(const std::vector<AgreedSetting>& a, int rankA, const std::vector<AgreedSetting>& b,
+                               int rankB) {
+  std::ostringstream oss;
+  for (const AgreedSetting& sa : a) {
+    const auto it = std::find_if(b.begin(), b.end(), [&](const AgreedSetting& sb) { return sb.name == sa.name; });
+    if (it == b.end()) {
+      oss << sa.name << " is " << sa.value << " on rank " << rankA << " but not set on rank " << rankB
+          << " (another epcomm build?)";
+      return oss.str();
+    }
+    if (it->value != sa.value) {
+      oss << sa.name << " is " << sa.value << " on rank " << rankA << " but " << it->value << " on rank " << rankB;
+      return oss.str();
+    }
+  }
+  for (const AgreedSetting& sb : b) {
+    const auto it = std::find_if(a.begin(), a.end(), [&](const AgreedSetting& sa) { return sa.name == sb.name; });
+    if (it == a.end()) {
+      oss << sb.name << " is not set on rank " << rankA << " but " << sb.value << " on rank " << rankB
+          << " (another epcomm build?)";
+      return oss.str();
+    }
+  }
+  return "";
+}
+
+void checkSettingsAgree(Bootstrap& bootstrap, const std::string& what, const std::vector<AgreedSetting>& settings) {
+  const int world = bootstrap.worldSize();
+  if (world <= 1) return;
+  const std::vector<uint8_t> mine = serializeSettings(settings);
+  const uint64_t digest = digestOf(mine);
+  std::vector<uint64_t> digests(world);
+  bootstrap.allGather(&digest, digests.data(), sizeof(digest));
+  bool same = true;
+  for (uint64_t d : digests) same = same && d == digests[0];
+  if (same) return;
+  // Every rank saw the same digests, so every rank takes this path and gathers the settings themselves.
+  const std::vector<std::vector<uint8_t>> all = allGatherBlobs(bootstrap, mine);
+  const std::vector<AgreedSetting> first = parseSettings(all[0]);
+  for (int r = 1; r < world; ++r) {
+    const std::string diff = settingsDifference(first, 0, parseSettings(all[r]), r);
+    if (!diff.empty()) EPCOMM_THROW(kInvalidConfig, what << " mismatch: " << diff);
+  }
+  EPCOMM_THROW(kInvalidConfig, what << " mismatch between ranks (same settings, different digests)");
+}
+
+std::vector<AgreedSetting> configSettings(const Config& c) {
+  return {
+      {"max_num_tokens", std::to_string(c.maxNumTokens)},
+      {"num_experts", std::to_string(c.numExperts)},
+      {"experts_per_token", std::to_string(c.expertsPerToken)},
+      {"world_size", std::to_string(c.worldSize)},
+      {"dp_size", std::to_string(c.dpSize)},
+      {"hidden_dim", std::to_string(c.hiddenDim)},
+      {"hidden_dim_bytes", std::to_string(c.hiddenDimBytes)},
+      {"hidden_dim_scale_bytes", std::to_string(c.hiddenDimScaleBytes)},
+      {"expert_padding", std::to_string(c.expertPadding)},
+      {"layout", layoutName(c.layout)},
+  };
 }
 
 }  // namespace epcomm

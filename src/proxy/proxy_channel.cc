@@ -6,6 +6,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "core/agreement.hpp"
 #include "core/env.hpp"
 #include "core/log.hpp"
 #include "epcomm/error.hpp"
@@ -89,6 +90,10 @@ ProxyChannel::ProxyChannel(const Config& config, Bootstrap& bootstrap, const Cha
   eo.progressCpu = env().proxyCpu;
   eo.timeoutMs = timeoutMs_;
   engine_ = fabric::TransferEngine::create(eo);
+  // Peers write into each other's private areas at offsets sized by privateTokens: it must agree, like the provider.
+  checkSettingsAgree(bootstrap, "host/proxy channel",
+                     {{"private_tokens (EPCOMM_PRIVATE_TOKENS)", std::to_string(sizes_.privateTokens)},
+                      {"fabric provider (EPCOMM_FABRIC_PROVIDER)", engine_->providerName()}});
   sendMr_ = engine_->registerMemory(sendBuf_.get(), roundUpPow2(std::max<uint64_t>(sizes_.sendBytes, 1), 4096));
   recvMr_ = engine_->registerMemory(recvBuf_.get(), roundUpPow2(std::max<uint64_t>(sizes_.recvBytes, 1), 4096));
   combineSendMr_ = engine_->registerMemory(combineSendBuf_.get(), combineSendCapacity_);

@@ -437,6 +437,42 @@ TEST(HostBackend, DeadPeerIsNamedBySurvivors) {
   EXPECT_EQ(result.ranks[2].signal, SIGKILL) << result.summary();
 }
 
+// ---- Settings of the host backend that every rank must share are checked at construction, on every rank. ----
+
+TEST(HostBackend, ChannelSettingsMustAgree) {
+  SKIP_WITHOUT("tcp");
+  SKIP_WITHOUT("shm");
+  Scenario sc;
+  sc.W = 3;
+  sc.E = 6;
+  RunResult result = runRanks(
+      sc.W,
+      [&](int rank, Bootstrap& bootstrap) {
+        auto expectMismatch = [&](host::HostOptions options, const std::string& expected) {
+          try {
+            host::HostAllToAll a2a(sc.config(rank), bootstrap, options);
+            ADD_FAILURE() << "constructed with mismatched settings";
+          } catch (const Error& e) {
+            EXPECT_EQ(e.code(), ErrorCode::kInvalidConfig) << e.what();
+            EXPECT_EQ(e.message(), "host/proxy channel mismatch: " + expected) << e.what();
+          }
+        };
+        host::HostOptions o;
+        o.provider = "tcp";
+        o.privateTokens = rank == 2 ? 3 : 2;
+        expectMismatch(o, "private_tokens (EPCOMM_PRIVATE_TOKENS) is 2 on rank 0 but 3 on rank 2");
+        o.privateTokens = 2;
+        o.provider = rank == 1 ? "shm" : "tcp";
+        expectMismatch(o, "fabric provider (EPCOMM_FABRIC_PROVIDER) is tcp;ofi_rxm on rank 0 but shm on rank 1");
+        // Agreeing settings construct and run.
+        o.provider = "shm";
+        host::HostAllToAll a2a(sc.config(rank), bootstrap, o);
+        ASSERT_TRUE(checkedRound(a2a, sc, rank, 0));
+      },
+      runOptions());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
 // ---- Through the public factory. ----
 
 TEST(HostBackend, FactoryCreatesHost) {
