@@ -65,3 +65,36 @@ if(EPCOMM_WITH_VERBS)
 endif()
 
 set(EPCOMM_HAVE_NVSHMEM OFF)
+# NVSHMEM: the nvidia-nvshmem-cu13 wheel (python3's site-packages nvidia/nvshmem/{include,lib}) or NVSHMEM_HOME. The
+# wheel ships libnvshmem_host.so.3 without an unversioned name and without a CMake package, so the libraries are found
+# by file name and linked by full path. Off (the rest builds) when not found.
+if(EPCOMM_WITH_NVSHMEM AND EPCOMM_HAVE_CUDA)
+  set(_epcomm_nvshmem_hints ${NVSHMEM_HOME} $ENV{NVSHMEM_HOME})
+  if(_epcomm_nvidia_site)
+    list(APPEND _epcomm_nvshmem_hints ${_epcomm_nvidia_site}/nvidia/nvshmem)
+  endif()
+  find_path(NVSHMEM_INCLUDE_DIR nvshmem.h HINTS ${_epcomm_nvshmem_hints} PATH_SUFFIXES include include/nvshmem)
+  find_library(NVSHMEM_HOST_LIBRARY NAMES nvshmem_host libnvshmem_host.so.3 HINTS ${_epcomm_nvshmem_hints}
+               PATH_SUFFIXES lib lib64)
+  find_library(NVSHMEM_DEVICE_LIBRARY NAMES libnvshmem_device.a nvshmem_device HINTS ${_epcomm_nvshmem_hints}
+               PATH_SUFFIXES lib lib64)
+  # CUDA 13 moved CCCL (cuda/std, thrust, cub) under include/cccl; NVSHMEM's headers include <cuda/std/...>.
+  set(EPCOMM_NVSHMEM_CCCL_DIR "")
+  foreach(_dir ${CUDAToolkit_INCLUDE_DIRS})
+    if(EXISTS ${_dir}/cccl/cuda/std)
+      set(EPCOMM_NVSHMEM_CCCL_DIR ${_dir}/cccl)
+    endif()
+  endforeach()
+  if(NVSHMEM_INCLUDE_DIR AND NVSHMEM_HOST_LIBRARY AND NVSHMEM_DEVICE_LIBRARY)
+    file(STRINGS ${NVSHMEM_INCLUDE_DIR}/non_abi/nvshmem_version.h _epcomm_nvshmem_version
+         REGEX "define NVSHMEM_VENDOR_(MAJOR|MINOR|PATCH)_VERSION")
+    string(REGEX REPLACE "[^0-9;]*([0-9]+)[^;]*" "\\1." _epcomm_nvshmem_version "${_epcomm_nvshmem_version}")
+    string(REPLACE ";" "" _epcomm_nvshmem_version "${_epcomm_nvshmem_version}")
+    string(REGEX REPLACE "\\.$" "" _epcomm_nvshmem_version "${_epcomm_nvshmem_version}")
+    set(EPCOMM_HAVE_NVSHMEM ON)
+    message(STATUS "epcomm: NVSHMEM ${_epcomm_nvshmem_version} (${NVSHMEM_HOST_LIBRARY})")
+  else()
+    message(STATUS "epcomm: NVSHMEM not found (pip install nvidia-nvshmem-cu13, or set NVSHMEM_HOME); the nvshmem "
+                   "backend is not built")
+  endif()
+endif()

@@ -1,0 +1,416 @@
+// The nvshmem backend: one symmetric allocation per object on NVSHMEM's heap, and kernels that move tokens with
+// put-with-signal (NVLink P2P on one node; IBGDA, IBRC or libfabric between nodes, whichever NVSHMEM runs over).
+// See docs/nvshmem.md.
+#include <cuda_runtime.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "backends/backends.hpp"
+#include "backends/nvshmem/nvshmem_kernels.hpp"
+#include "backends/nvshmem/nvshmem_layout.hpp"
+#include "backends/nvshmem/nvshmem_runtime.hpp"
+#include "core/call_order.hpp"
+#include "core/env.hpp"
+#include "core/log.hpp"
+#include "core/validate.hpp"
+#include "epcomm/error.hpp"
+
+/// Throws Error(kCuda) naming the call and CUDA's message unless `expr` returns cudaSuccess.
+#define EPCOMM_CHECK_CUDA(expr)                                                           \
+  do {                                                                                    \
+    cudaError_t epcomm_err_ = (expr);                                                     \
+    if (epcomm_err_ != cudaSuccess) {                                                     \
+      EPCOMM_THROW(kCuda, #expr << " failed: " << cudaGetErrorString(epcomm_err_) << " (" \
+                                << static_cast<int>(epcomm_err_) << ")");                 \
+    }                                                                                     \
+  } while (0)
+
+namespace epcomm {
+namespace backends {
+
+namespace {
+
+using nvshmem::Geometry;
+
+/// Opt-in shared memory per block of an H200: what the planner assumes without a GPU.
+constexpr uint64_t kPlannerSharedBytes = 232448;
+/// NVSHMEM's own default heap, the least the first object asks for: smaller plans still leave room for later objects.
+constexpr uint64_t kMinHeapBytes = 1ull << 30;
+
+/// NVSHMEM_SYMMETRIC_SIZE the first object of a process sets (unless the user did): room for two objects of its plan
+/// in flight at once, plus 256 MiB for NVSHMEM's own symmetric state; never below NVSHMEM's default.
+uint64_t heapBytesFor(const Geometry& g) {
+  const uint64_t want = roundUpPow2(2 * g.symmetricBytes + (256ull << 20), 2ull << 20);
+  return std::max(want, kMinHeapBytes);
+}
+
+int combineType(DType t) {
+  switch (t) {
+    case DType::kBf16:
+      return nvshmem::kTypeBf16;
+    case DType::kF16:
+      return nvshmem::kTypeF16;
+    default:
+      return nvshmem::kTypeF32;
+  }
+}
+
+const char* phaseName(int32_t phase) {
+  switch (phase) {
+    case nvshmem::kPhaseDispatchRecv:
+      return "dispatch-recv (waiting for the peer's tokens)";
+    case nvshmem::kPhaseCombineWeights:
+      return "combine-send (waiting for the peer to enter combine: its router weights)";
+    case nvshmem::kPhaseCombineDone:
+      return "combine-recv (waiting for the peer to finish its combine-send)";
+    case nvshmem::kPhaseCombineRecv:
+      return "combine-recv (waiting for the peer's expert outputs)";
+    case nvshmem::kPhaseBadIndex:
+      return "dispatch-send (expert index check)";
+    case nvshmem::kPhaseBadIndexCombine:
+      return "combine-recv (expert index check)";
+    default:
+      return "unknown";
+  }
+}
+
+int pickDevice(const Config& c) {
+  int count = 0;
+  EPCOMM_CHECK_CUDA(cudaGetDeviceCount(&count));
+  EPCOMM_CHECK(count > 0, kUnavailable, "no CUDA device");
+  const int local = env().localRank >= 0 ? env().localRank : static_cast<int>(c.rank) % count;
+  EPCOMM_CHECK(local < count, kUnavailable,
+               "EPCOMM_LOCAL_RANK = " << local << " but this process sees " << count << " CUDA devices");
+  return local;
+}
+
+// The geometry as every rank must see it (checked over the bootstrap before the collective allocation).
+struct SharedShape {
+  uint64_t symmetricBytes;
+  uint32_t chunks;
+  uint32_t recvBlocks;
+  uint32_t routeWarps;
+  uint32_t reserved;
+};
+
+class NvshmemAllToAll final : public AllToAll {
+ public:
+  NvshmemAllToAll(const Config& config, Bootstrap& bootstrap) : config_(config), bootstrap_(bootstrap) {
+    device_ = pickDevice(config);
+    EPCOMM_CHECK_CUDA(cudaSetDevice(device_));
+    int smemMax = 0;
+    EPCOMM_CHECK_CUDA(cudaDeviceGetAttribute(&smemMax, cudaDevAttrMaxSharedMemoryPerBlockOptin, device_));
+    geo_ = nvshmem::makeGeometry(config, static_cast<uint64_t>(smemMax));
+    EPCOMM_CHECK(config.worldSize <= nvshmem::kMaxRanks, kUnavailable,
+                 "nvshmem backend supports at most " << nvshmem::kMaxRanks << " ranks, got " << config.worldSize);
+    EPCOMM_CHECK(config.expertsPerToken <= kMaxExpertsPerToken, kInvalidConfig,
+                 "nvshmem backend supports at most " << kMaxExpertsPerToken << " experts per token, got "
+                                                     << config.expertsPerToken);
+    EPCOMM_CHECK(geo_.routeWarps > 0, kInvalidConfig,
+                 "nvshmem routing needs " << nvshmem::routeSharedBytes(1, config.numExperts, config.worldSize)
+                                          << " bytes of shared memory for numExperts = " << config.numExperts
+                                          << " and worldSize = " << config.worldSize << ", the device allows "
+                                          << smemMax);
+    EPCOMM_CHECK(nvshmem::recvSharedBytes(geo_) <= static_cast<uint64_t>(smemMax), kInvalidConfig,
+                 "nvshmem receive kernels need " << nvshmem::recvSharedBytes(geo_)
+                                                 << " bytes of shared memory for W x L row tables, the device allows "
+                                                 << smemMax);
+    int rc = nvshmem::configureKernels(geo_);
+    EPCOMM_CHECK(rc == 0, kCuda,
+                 "cudaFuncSetAttribute (nvshmem kernels' shared memory) failed: "
+                     << cudaGetErrorString(static_cast<cudaError_t>(rc)));
+
+    // Everyone must ask NVSHMEM for the same symmetric size (a collective allocation).
+    SharedShape mine{geo_.symmetricBytes, geo_.chunks, geo_.recvBlocks, geo_.routeWarps, 0};
+    std::vector<SharedShape> all(config.worldSize);
+    bootstrap_.allGather(&mine, all.data(), sizeof(SharedShape));
+    for (uint32_t r = 0; r < config.worldSize; ++r) {
+      EPCOMM_CHECK(all[r].symmetricBytes == mine.symmetricBytes && all[r].chunks == mine.chunks &&
+                       all[r].recvBlocks == mine.recvBlocks,
+                   kInvalidConfig,
+                   "ranks disagree on the nvshmem buffers: rank "
+                       << r << " needs " << all[r].symmetricBytes << " symmetric bytes, rank " << config.rank
+                       << " needs " << mine.symmetricBytes << " (every rank must use the same Config)");
+    }
+
+    nvshmem::acquireRuntime(bootstrap_, device_, heapBytesFor(geo_));
+    acquired_ = true;
+    try {
+      sym_ = static_cast<char*>(nvshmem::symmetricAlloc(geo_.symmetricBytes, config.rank));
+      EPCOMM_CHECK_CUDA(cudaMemset(sym_, 0, geo_.symmetricBytes));
+      EPCOMM_CHECK_CUDA(cudaMalloc(&scratch_, geo_.scratchBytes));
+      EPCOMM_CHECK_CUDA(cudaMemset(scratch_, 0, geo_.scratchBytes));
+      EPCOMM_CHECK_CUDA(
+          cudaHostAlloc(reinterpret_cast<void**>(&hostError_), sizeof(nvshmem::ErrorRecord), cudaHostAllocMapped));
+      std::memset(hostError_, 0, sizeof(nvshmem::ErrorRecord));
+      EPCOMM_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&hostErrorDev_), hostError_, 0));
+      EPCOMM_CHECK_CUDA(cudaDeviceSynchronize());
+      // Nobody may put into a peer's buffers before the peer zeroed them.
+      bootstrap_.barrier();
+    } catch (...) {
+      release();
+      throw;
+    }
+    EPCOMM_LOG(kInfo, "nvshmem backend: device " << device_ << ", " << geo_.symmetricBytes << " symmetric bytes, "
+                                                 << geo_.scratchBytes << " scratch bytes, " << config.toString());
+  }
+
+  ~NvshmemAllToAll() override { release(); }
+
+  void dispatch(const DispatchArgs& a) override {
+    checkUsable();
+    const CheckedDispatch c = checkDispatchArgs(config_, a, MemoryKind::kCuda, device_);
+    order_.checkDispatch(a.doSend, a.doRecv);
+    checkCurrentDevice();
+    if (a.doSend) {
+      nvshmem::DispatchSendArgs k;
+      std::memset(&k, 0, sizeof k);
+      k.g = geo_;
+      k.st = state();
+      k.x = static_cast<const uint8_t*>(a.x.data);
+      k.xRowStrideBytes = c.xRowStrideBytes;
+      k.xScale = static_cast<const uint8_t*>(a.xScale.data);
+      k.xScaleStrideBytes[0] = c.scaleStrides[0] * 4;
+      k.xScaleStrideBytes[1] = c.scaleStrides[1] * 4;
+      k.indices = a.indices.data;
+      k.indexKind = c.indexKind;
+      k.indexStrides[0] = c.indexStrides[0];
+      k.indexStrides[1] = c.indexStrides[1];
+      k.m = c.m;
+      k.boundM = a.boundM;
+      launched(nvshmem::launchDispatchSend(k, a.stream), "dispatch send");
+      dispatchedM_ = c.m;
+    }
+    if (a.doRecv) {
+      nvshmem::DispatchRecvArgs k;
+      std::memset(&k, 0, sizeof k);
+      k.g = geo_;
+      k.st = state();
+      k.outNumTokens = static_cast<int32_t*>(a.outExpertNumTokens.data);
+      k.outX = static_cast<uint8_t*>(a.outExpertX.data);
+      k.outExpertStrideBytes = c.outExpertStrideBytes;
+      k.outRowStrideBytes = c.outRowStrideBytes;
+      k.outScale = static_cast<uint8_t*>(a.outExpertXScale.data);
+      if (config_.layout == Layout::kPacked) {
+        k.outScaleStrideBytes[0] = 0;
+        k.outScaleStrideBytes[1] = c.outScaleStrides[0] * 4;
+        k.outScaleStrideBytes[2] = c.outScaleStrides[1] * 4;
+      } else {
+        for (int d = 0; d < 3; ++d) k.outScaleStrideBytes[d] = c.outScaleStrides[d] * 4;
+      }
+      launched(nvshmem::launchDispatchRecv(k, a.stream), "dispatch receive");
+    }
+    order_.dispatched(a.doSend, a.doRecv);
+  }
+
+  void combine(const CombineArgs& a) override {
+    checkUsable();
+    const CheckedCombine c = checkCombineArgs(config_, a, MemoryKind::kCuda, device_);
+    order_.checkCombine(a.doSend, a.doRecv);
+    checkCurrentDevice();
+    if (a.doSend) {
+      // The send half applies the router weights (each expert rank sums its experts' outputs per token before
+      // sending), so it needs them here; checkCombineArgs checks weights only for the receive half.
+      const TensorView& w = a.weights;
+      EPCOMM_CHECK(w.data != nullptr && w.memory == MemoryKind::kCuda && w.device == device_, kInvalidArgument,
+                   "nvshmem combine send half needs weights on cuda:" << device_ << ", got " << w.toString());
+      EPCOMM_CHECK(w.ndim == 2 && w.dtype == DType::kF32 && w.shape[1] == config_.expertsPerToken &&
+                       w.shape[0] <= config_.maxNumTokens && w.strides[0] >= 0 && w.strides[1] >= 0,
+                   kInvalidArgument, "weights must be fp32 [m <= maxNumTokens, K], got " << w.toString());
+      EPCOMM_CHECK(w.shape[0] >= dispatchedM_, kInvalidArgument,
+                   "rank " << config_.rank << ": combine weights have " << w.shape[0]
+                           << " rows, fewer than the m = " << dispatchedM_ << " tokens this rank dispatched");
+      nvshmem::CombineSendArgs k;
+      std::memset(&k, 0, sizeof k);
+      k.g = geo_;
+      k.st = state();
+      k.y = static_cast<const uint8_t*>(a.expertY.data);
+      k.yExpertStride = c.yExpertStride;
+      k.yRowStride = c.yRowStride;
+      k.yType = combineType(a.expertY.dtype);
+      k.weights = static_cast<const float*>(w.data);
+      k.weightStrides[0] = w.strides[0];
+      k.weightStrides[1] = w.strides[1];
+      launched(nvshmem::launchCombineSend(k, a.stream), "combine send");
+    }
+    if (a.doRecv) {
+      nvshmem::CombineRecvArgs k;
+      std::memset(&k, 0, sizeof k);
+      k.g = geo_;
+      k.st = state();
+      k.out = static_cast<uint8_t*>(a.outTokens.data);
+      k.outRowStride = c.outRowStride;
+      k.outType = combineType(a.outTokens.dtype);
+      k.indices = a.indices.data;
+      k.indexKind = c.indexKind;
+      k.indexStrides[0] = c.indexStrides[0];
+      k.indexStrides[1] = c.indexStrides[1];
+      k.m = c.m;
+      k.boundM = a.boundM;
+      k.accumulate = a.accumulate ? 1 : 0;
+      launched(nvshmem::launchCombineRecv(k, a.stream), "combine receive");
+    }
+    order_.combined(a.doSend, a.doRecv);
+  }
+
+  void synchronize() override {
+    checkUsable();
+    EPCOMM_CHECK_CUDA(cudaDeviceSynchronize());
+    checkUsable();
+  }
+
+  const Config& config() const override { return config_; }
+  const char* backendName() const override { return "nvshmem"; }
+  uint64_t bufferBytes() const override {
+    return geo_.symmetricBytes + geo_.scratchBytes + sizeof(nvshmem::ErrorRecord);
+  }
+
+ private:
+  nvshmem::DeviceState state() const {
+    nvshmem::DeviceState st{};
+    st.sym = sym_;
+    st.scratch = static_cast<char*>(scratch_);
+    st.hostError = hostErrorDev_;
+    st.timeoutNs = static_cast<uint64_t>(env().timeoutMs) * 1000000ull;
+    return st;
+  }
+
+  void launched(int rc, const char* what) const {
+    EPCOMM_CHECK(rc == 0, kCuda,
+                 "rank " << config_.rank << ": nvshmem " << what
+                         << " kernel launch failed: " << cudaGetErrorString(static_cast<cudaError_t>(rc)));
+  }
+
+  // Frees what the constructor made. The symmetric allocation is collective (nvshmem_free synchronises the PEs): only
+  // when every rank reached the barrier, so a rank whose peer is gone does not hang here (it leaks the allocation).
+  void release() {
+    cudaSetDevice(device_);
+    cudaDeviceSynchronize();
+    bool together = false;
+    try {
+      bootstrap_.barrier();
+      together = true;
+    } catch (const std::exception& e) {
+      EPCOMM_LOG(kWarn, "nvshmem teardown barrier failed, the symmetric buffers stay allocated: " << e.what());
+    }
+    if (sym_ != nullptr && together) nvshmem::symmetricFree(sym_);
+    sym_ = nullptr;
+    if (scratch_ != nullptr) cudaFree(scratch_);
+    scratch_ = nullptr;
+    if (hostError_ != nullptr) cudaFreeHost(hostError_);
+    hostError_ = nullptr;
+    if (acquired_) nvshmem::releaseRuntime();
+    acquired_ = false;
+  }
+
+  void checkCurrentDevice() const {
+    int cur = -1;
+    EPCOMM_CHECK_CUDA(cudaGetDevice(&cur));
+    EPCOMM_CHECK(
+        cur == device_, kInvalidArgument,
+        "rank " << config_.rank << ": the current CUDA device is " << cur << " but this object lives on " << device_);
+  }
+
+  // Reads the host-mapped error record (no synchronisation). Once an error was seen the object refuses all use.
+  void checkUsable() {
+    if (failed_.empty()) {
+      const volatile nvshmem::ErrorRecord* r = hostError_;
+      const int32_t code = r->code;
+      if (code == 0) return;
+      std::atomic_thread_fence(std::memory_order_acquire);
+      std::ostringstream oss;
+      if (code == nvshmem::kPhaseBadIndex || code == nvshmem::kPhaseBadIndexCombine) {
+        failedCode_ = ErrorCode::kDeviceError;
+        oss << "rank " << r->rank << ": expert index " << static_cast<int32_t>(r->wanted & 0xffffffff) << " at token "
+            << r->seen << ", position " << (r->wanted >> 32) << " is outside [-1, " << config_.numExperts << ") (phase "
+            << phaseName(code) << "); the entry was skipped";
+      } else {
+        failedCode_ = ErrorCode::kTimeout;
+        oss << "rank " << r->rank << " timed out after " << env().timeoutMs << " ms in phase " << phaseName(code)
+            << " waiting for peer rank " << r->peer << " (signal " << r->seen << ", expected round " << r->wanted;
+        if (r->detail >= 0) oss << (code == nvshmem::kPhaseCombineRecv ? ", token " : ", chunk ") << r->detail;
+        oss << ", block " << r->block << ")";
+      }
+      failed_ = oss.str();
+    }
+    detail::throwError(failedCode_, failed_ + " [this AllToAll object is unusable]", __FILE__, __LINE__);
+  }
+
+  Config config_;
+  Bootstrap& bootstrap_;
+  int device_ = -1;
+  Geometry geo_{};
+  bool acquired_ = false;
+  char* sym_ = nullptr;
+  void* scratch_ = nullptr;
+  nvshmem::ErrorRecord* hostError_ = nullptr;
+  nvshmem::ErrorRecord* hostErrorDev_ = nullptr;
+  /// Dispatch and combine alternate: a dispatch overwrites the peers' regions, which they may read until the combine
+  /// (the round's barrier) completed.
+  CallOrder order_{"nvshmem", config_.rank, false};
+  uint32_t dispatchedM_ = 0;  // m of the last dispatch send half (combine's weights must cover it)
+  std::string failed_;
+  ErrorCode failedCode_ = ErrorCode::kInternal;
+};
+
+}  // namespace
+
+bool nvshmemUsable(std::string* whyNot) {
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || count == 0) {
+    if (whyNot != nullptr) {
+      *whyNot = e != cudaSuccess ? std::string("no CUDA device (") + cudaGetErrorString(e) + ")" : "no CUDA device";
+    }
+    cudaGetLastError();
+    return false;
+  }
+  return nvshmem::runtimeUsable(whyNot);
+}
+
+std::unique_ptr<AllToAll> createNvshmem(const Config& config, Bootstrap& bootstrap) {
+  return std::make_unique<NvshmemAllToAll>(config, bootstrap);
+}
+
+std::vector<PlannedBuffer> planNvshmem(const Config& config) {
+  config.validate();
+  // The planner runs without a GPU: it assumes an H200's shared memory per block (only the routing warps depend on it).
+  const Geometry g = nvshmem::makeGeometry(config, kPlannerSharedBytes);
+  const std::string W = std::to_string(config.worldSize), T = std::to_string(config.maxNumTokens),
+                    Ts = std::to_string(g.slotsPerSender), K = std::to_string(config.expertsPerToken),
+                    H = std::to_string(config.hiddenDim);
+  std::vector<PlannedBuffer> plan;
+  auto add = [&](const char* name, const char* memory, uint64_t bytes, const std::string& note) {
+    plan.push_back(PlannedBuffer{"nvshmem", name, memory, bytes, note});
+  };
+  const char* sym = "device (symmetric)";
+  add("signals", sym, g.offDispRecv - g.offDispSig,
+      "u64 dispatch [W=" + W + "][C=" + std::to_string(g.chunks) + "], weights [W], done [W], combine [W][T=" + T +
+          "]");
+  add("dispatch receive", sym, g.offWeightRecv - g.offDispRecv,
+      "[W][header + Ts=" + Ts + " x " + std::to_string(g.recordBytes) + " B records (payload, scales, routing)]");
+  add("combine weights", sym, g.offCombRecv - g.offWeightRecv, "f32 [W][Ts][K=" + K + "]");
+  add("combine partials", sym, g.offDispStage - g.offCombRecv, "f32 [W][T][H=" + H + "]");
+  add("dispatch staging", sym, g.offWeightStage - g.offDispStage, "[W][header + Ts records]: the puts' source");
+  add("weights staging", sym, g.offCombStage - g.offWeightStage, "f32 [W][Ts][K]");
+  add("partials staging", sym, g.symmetricBytes - g.offCombStage, "f32 [W][Ts][H]: the puts' source");
+  add("routing", "device", g.offTokens - g.offRoute, "int2 [Ts][K]: expert, position");
+  add("records per destination", "device", g.offRows - g.offTokens, "i32 [W][Ts]");
+  add("rows of received entries", "device", g.offSeq - g.offRows, "int2 [W][Ts][K] for the combine");
+  add("round counters", "device", g.scratchBytes - g.offSeq, "u64 per kernel and block, and a few words");
+  add("error record", "host pinned (mapped)", sizeof(nvshmem::ErrorRecord), "written by kernels, read by the host");
+  add("NVSHMEM heap (first object)", "device (symmetric)", 0,
+      "NVSHMEM_SYMMETRIC_SIZE=" + std::to_string(heapBytesFor(g)) +
+          " unless set: 2 x the symmetric buffers + 256 MiB, at least 1 GiB (not counted above)");
+  return plan;
+}
+
+}  // namespace backends
+}  // namespace epcomm
