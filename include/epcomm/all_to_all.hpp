@@ -92,6 +92,31 @@ class AllToAll {
   AllToAll() = default;
 };
 
+/// Fabric operations one rank issued to one peer since its object was created (cumulative). Every write carries
+/// an immediate.
+struct PeerTransferStats {
+  uint64_t headWrites = 0;     ///< Dispatch: routing counts + the tokens that fit the private area (one per round).
+  uint64_t bulkWrites = 0;     ///< Dispatch: the remaining tokens (one per round whose private area overflowed).
+  uint64_t combineWrites = 0;  ///< Combine: expert outputs (one per round).
+  uint64_t barrierImms = 0;    ///< Immediates of the reuse barrier (a dispatch that follows a dispatch).
+  uint64_t bytes = 0;          ///< Payload bytes of all of the above.
+};
+
+/// Counters of an object whose backend moves its data with a TransferEngine (host, proxy): what benchmarks and
+/// tests report to show the protocol's operation count (docs/protocol.md). A snapshot, plain data.
+struct TransferStats {
+  bool available = false;                ///< false: the backend issues no fabric operations (nvlink, nvshmem).
+  std::string provider;                  ///< Provider the engine runs on ("tcp", "shm", "efa", "verbs", ...).
+  uint32_t privateTokens = 0;            ///< Entries of each sender's private area on each receiver.
+  uint64_t dispatchRounds = 0;           ///< Dispatch exchanges completed.
+  uint64_t combineRounds = 0;            ///< Combine exchanges completed.
+  std::vector<PeerTransferStats> peers;  ///< By rank (worldSize entries); this rank's own entry stays zero.
+};
+
+/// The fabric counters of `a2a` (see TransferStats); `available` is false for backends without a TransferEngine.
+/// Does not block; call it between calls on the object, not concurrently with them.
+TransferStats transferStats(const AllToAll& a2a);
+
 /// Backends this build contains, in preference order ("nvlink", "nvshmem", "proxy", "host").
 std::vector<std::string> builtBackends();
 
