@@ -1,5 +1,6 @@
-// A tiny multi-process harness for the fabric benchmark (tests use tests/support/multiprocess.hpp): forks W
-// real processes that exchange blobs and meet at barriers through a shared anonymous mapping. Header-only; internal.
+// A tiny multi-process harness for the benchmarks (the tests use tests/support/multiprocess.hpp, which reports
+// through GoogleTest): forks W real processes that exchange blobs and meet at barriers through a shared anonymous
+// mapping. Header-only; not part of the library.
 #pragma once
 
 #include <sched.h>
@@ -19,7 +20,7 @@
 #include <vector>
 
 namespace epcomm {
-namespace fabric {
+namespace bench {
 namespace forkgroup {
 
 constexpr int kMaxRanks = 8;
@@ -159,5 +160,5 @@ inline std::vector<Result> run(int world, const std::function<void(Comm&)>& body
 }
 
 }  // namespace forkgroup
-}  // namespace fabric
+}  // namespace bench
 }  // namespace epcomm

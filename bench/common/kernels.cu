@@ -1,14 +1,13 @@
-// Small kernels of the benchmark: a GPU spin queued before the first timing event (so a "device-only" sample
-// excludes the launch latency), the fill of expertY (generated in place: prefill's is 15 GB), and the floor probes of
-// --floor (an empty launch; one flag exchange between ranks; the cost of a few 16-byte stores into a peer's and into
-// the own memory).
+// Small kernels of the benchmarks: a GPU spin queued before the first timing event (so a "device-only" sample
+// excludes the launch latency), the fill of expertY (generated in place: prefill's is 15 GB), and the kernels of
+// epcomm-bench --floor (an empty launch; one flag exchange between ranks).
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "epcomm/device/ptx.cuh"
 #include "fill.hpp"
-#include "spin.hpp"
+#include "kernels.hpp"
 
 namespace {
 __global__ void spinKernel(unsigned nanoseconds) {
@@ -42,20 +41,6 @@ __global__ void flagPingKernel(uint64_t* nextFlag, const uint64_t* myFlag, uint6
   }
 }
 
-// Thread 0 of block 0: `n` 16-byte stores `stride` bytes apart into `dst` (the routing pass's emit step does 8 per
-// token into every receiver), stamping %globaltimer before, after the last store's issue and after a system fence
-// (what the signal that follows waits for). out[0] = issue ns, out[1] = fence ns. The other blocks make the launch
-// as large as the library's.
-__global__ void storeProbeKernel(char* dst, int n, int stride, uint64_t* out) {
-  if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  const uint64_t t0 = epcomm::device::globalTimerNs();
-  for (int i = 0; i < n; ++i) epcomm::device::st16(dst + static_cast<int64_t>(i) * stride, int4{i, 1, 2, 3});
-  const uint64_t t1 = epcomm::device::globalTimerNs();
-  epcomm::device::fenceAcqRelSys();
-  const uint64_t t2 = epcomm::device::globalTimerNs();
-  out[0] = t1 - t0;
-  out[1] = t2 - t1;
-}
 }  // namespace
 
 /// Queues one single-thread kernel that spins for `nanoseconds` on `stream`.
@@ -78,10 +63,4 @@ void epcommBenchEmptyLike(cudaStream_t stream, int blocks, unsigned smemBytes) {
 /// The one-flag exchange of --floor (see flagPingKernel), `blocks` blocks of 512 threads.
 void epcommBenchFlagPing(cudaStream_t stream, int blocks, uint64_t* nextFlag, const uint64_t* myFlag, uint64_t round) {
   flagPingKernel<<<blocks, 512, 0, stream>>>(nextFlag, myFlag, round);
-}
-
-/// The store probe of --floor (see storeProbeKernel): `blocks` blocks of 512 threads; out[2] receives issue and
-/// fence nanoseconds.
-void epcommBenchStoreProbe(cudaStream_t stream, int blocks, char* dst, int n, int stride, uint64_t* out) {
-  storeProbeKernel<<<blocks, 512, 0, stream>>>(dst, n, stride, out);
 }

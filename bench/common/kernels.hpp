@@ -1,4 +1,4 @@
-// The benchmark's small kernels (spin.cu): declared for epcomm-bench and the probes that link spin.cu.
+// The benchmarks' small kernels (kernels.cu): for epcomm-bench and the probes that link kernels.cu.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,4 +10,3 @@ void epcommBenchFillNearOne(cudaStream_t stream, uint16_t* y, uint64_t n, uint64
 void epcommBenchEmpty(cudaStream_t stream, int blocks);
 void epcommBenchEmptyLike(cudaStream_t stream, int blocks, unsigned smemBytes);
 void epcommBenchFlagPing(cudaStream_t stream, int blocks, uint64_t* nextFlag, const uint64_t* myFlag, uint64_t round);
-void epcommBenchStoreProbe(cudaStream_t stream, int blocks, char* dst, int n, int stride, uint64_t* out);

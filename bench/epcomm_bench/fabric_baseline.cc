@@ -7,8 +7,8 @@
 #include <sstream>
 #include <thread>
 
-#include "core/env.hpp"
 #include "epcomm/error.hpp"
+#include "options.hpp"
 
 namespace epcomm {
 namespace bench {
@@ -62,7 +62,7 @@ FabricA2aBaseline::FabricA2aBaseline(Bootstrap& bootstrap, const std::vector<uin
   try {
     fabric::EngineOptions eo;  // provider "": EPCOMM_FABRIC_PROVIDER, else the probe, as the host backend's channel
     eo.numNics = 1;
-    timeoutMs_ = timeoutMs > 0 ? timeoutMs : env().timeoutMs;
+    timeoutMs_ = timeoutMs > 0 ? timeoutMs : timeoutMsFromEnv();
     eo.timeoutMs = timeoutMs_;
     engine_ = fabric::TransferEngine::create(eo);
     sendMr_ = engine_->registerMemory(sendBuf_.get(), regionBytes(sendTotal));

@@ -17,13 +17,13 @@
 
 #include "epcomm/error.hpp"
 #include "epcomm/fabric/transfer_engine.hpp"
-#include "fabric/fork_group.hpp"
+#include "fork_group.hpp"
 
 namespace {
 
 using namespace epcomm;
 using namespace epcomm::fabric;
-namespace fg = epcomm::fabric::forkgroup;
+namespace fg = epcomm::bench::forkgroup;
 
 struct Args {
   std::vector<std::string> providers = {"tcp", "shm"};

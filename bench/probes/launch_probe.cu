@@ -21,8 +21,8 @@
 #include <functional>
 #include <vector>
 
+#include "kernels.hpp"
 #include "probe_check.hpp"
-#include "spin.hpp"
 
 namespace {
 

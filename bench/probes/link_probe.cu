@@ -1,7 +1,7 @@
 // nvlink-link-probe: the bandwidth that one direction of the NVLink between GPU 0 and GPU 1 gives each way a kernel can
 // move data across it. The nvlink backend's copies run at ~250-290 GB/s (decode dispatch: 0.94 MB drained in ~3.7 us;
 // prefill dispatch: 30 MB per direction in ~120 us) against ~370 GB/s that SM stores are said to reach on this link
-// (SPEC 4): is that the link, or the way the kernels store and load? (docs/nvlink.md, thirteenth pass.)
+// (SPEC 4): is that the link, or the way the kernels store and load?
 //
 // One process, two GPUs with peer access. `bytes` move from GPU 0 to GPU 1 with `blocks` blocks of 512 threads:
 //   push st.v4  GPU 0's threads store 16-byte vectors into GPU 1's memory (a warp: 512 contiguous bytes per store)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Nsight Compute on the fused decode dispatch of the nvlink backend, to place the routing pass's time (docs/nvlink.md,
-# fourth pass: every step of it costs 0.6-2 us whatever the token count; the hypothesis is cold instruction fetch,
-# which ncu shows as "No Instruction" stalls, against "Long Scoreboard" for memory).
+# Nsight Compute on the fused decode dispatch of the nvlink backend, to place the routing pass's time: whether it
+# waits on the instruction stream (cold instruction fetch: "No Instruction" stalls) or on memory ("Long Scoreboard").
+# The kernel name regex below follows the nvlink kernels' names; adjust it when they change.
 #
-#   BUILD=build-prof bash bench/epcomm_bench/ncu-dispatch.sh     (writes $OUT/dispatch-w1.ncu-rep and text pages)
+#   BUILD=build-prof bash bench/probes/ncu-dispatch.sh     (writes $OUT/dispatch-w1.ncu-rep and text pages)
 #   KERNEL=combine ...      the fused combine kernel instead (writes $OUT/combine-w1.ncu-rep)
 #   NCU_CACHE=none ...      keep caches between ncu's replays (default all: flushed, so cold-start stalls, the
 #                           instruction fetch included, are an upper bound; none gives the lower one)

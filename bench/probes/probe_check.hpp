@@ -1,4 +1,4 @@
-// Shared by the single-process probes (bench/epcomm_bench/*_probe.cu: line, queue, link, row, launch and smid): the
+// Shared by the single-process probes (bench/probes/*_probe.cu): the
 // exit status for "this machine cannot run the probe" (ctest's SKIP_RETURN_CODE), a CUDA call check that prints the
 // failure and returns 2 from main, the one- and two-GPU checks and the span of per-block time stamps.
 #pragma once

@@ -1,5 +1,5 @@
 // nvlink-queue-probe: how late does a small message cross NVLink while bulk stores fill the same direction? The
-// question behind prefill dispatch's late routes (docs/nvlink.md, twelfth pass): the routing entries and flags that
+// question behind prefill dispatch's late routes: the routing entries and flags that
 // a sender stores into a receiver wait behind the bulk it pushes, but a receiver could instead *read* them from the
 // sender's memory, whose responses travel in the same direction as that bulk.
 //

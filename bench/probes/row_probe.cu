@@ -1,8 +1,8 @@
 // expand-row-probe: how long does a decode-sized expansion's row writing take on one GPU, and does it depend on how
-// far apart the rows lie? The question behind the nvlink dispatch's slow expansions at decode (docs/nvlink.md,
-// thirteenth pass): a warp's unit of 2 KB, stored into ~4 expert rows, took 2-5 us in the traces even with every
-// byte local. In the batched layout ([L, R, H]) each expert's rows start ~1.8 MB apart, so one round touches ~L
-// different 2 MB pages; in the packed layout the same rows are ~7 MB back to back.
+// far apart the rows lie? The question behind the nvlink dispatch's slow expansions at decode: a warp's unit of 2 KB,
+// stored into ~4 expert rows, took 2-5 us in the traces even with every byte local. In the batched layout ([L, R, H])
+// each expert's rows start ~1.8 MB apart, so one round touches ~L different 2 MB pages; in the packed layout the same
+// rows are ~7 MB back to back.
 //
 // One GPU. `blocks` blocks of 512 threads; warp w takes unit w (token w / pieces, piece w % pieces) of
 // `tokens` tokens, loads its 2 KB (4 x 16 bytes per lane) and stores them into each of the token's rows (K / 2 distinct

@@ -8,7 +8,7 @@
 // it prints how many SMs got blocks and the most blocks one SM got; the last case launches two 132-block grids of
 // 256 threads on two streams (two objects in flight) and says whether all 264 blocks were resident together. It
 // answers whether "132 blocks of 256 threads, two per SM" spreads over every SM or packs two per SM on half of them
-// (docs/nvlink.md, eighteenth pass). Never asserts: exits 77 without a GPU.
+// Never asserts: exits 77 without a GPU.
 #include <cuda_runtime.h>
 
 #include <algorithm>

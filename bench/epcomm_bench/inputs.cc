@@ -1,0 +1,151 @@
+#include "inputs.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <utility>
+
+#include "bench_cuda.hpp"
+#include "fill.hpp"
+#include "kernels.hpp"
+
+namespace epcomm {
+namespace bench {
+
+std::vector<int32_t> randomIndices(const Config& config, uint32_t m, uint64_t seed) {
+  const uint32_t E = config.numExperts, K = config.expertsPerToken;
+  EPCOMM_CHECK(K <= E && E > 0, kInvalidArgument, "randomIndices: K = " << K << " must be in [1, E = " << E << "]");
+  uint64_t state = seed;
+  auto next = [&state] {
+    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  std::vector<int32_t> experts(E);
+  std::vector<int32_t> out(static_cast<size_t>(m) * K);
+  for (uint32_t t = 0; t < m; ++t) {
+    for (uint32_t e = 0; e < E; ++e) experts[e] = static_cast<int32_t>(e);
+    for (uint32_t k = 0; k < K; ++k) {
+      const uint32_t j = k + static_cast<uint32_t>((static_cast<unsigned __int128>(next()) * (E - k)) >> 64);
+      std::swap(experts[k], experts[j]);
+      out[static_cast<size_t>(t) * K + k] = experts[k];
+    }
+  }
+  return out;
+}
+
+void* Inputs::alloc(size_t bytes) {
+  void* p = nullptr;
+  bytes = (std::max<size_t>(bytes, 256) + 255) / 256 * 256;
+  if (device_) {
+    BENCH_CUDA(cudaMalloc(&p, bytes));
+  } else {
+    p = std::aligned_alloc(256, bytes);
+    EPCOMM_CHECK(p != nullptr, kSystem, "out of host memory for " << bytes << " bytes of benchmark tensors");
+  }
+  owned_.push_back(p);
+  return p;
+}
+
+void Inputs::upload(void* dst, const void* src, size_t bytes) {
+  if (device_) {
+    BENCH_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  } else {
+    std::memcpy(dst, src, bytes);
+  }
+}
+
+Inputs::~Inputs() {
+  for (void* p : owned_) {
+    if (device_) {
+      cudaFree(p);
+    } else {
+      std::free(p);
+    }
+  }
+}
+
+Inputs::Inputs(const Config& c, uint32_t T, bool device, cudaStream_t stream) : device_(device), tokens_(T) {
+  const MemoryKind mk = device ? MemoryKind::kCuda : MemoryKind::kHost;
+  int dev = -1;
+  if (device) BENCH_CUDA(cudaGetDevice(&dev));
+  const int64_t K = c.expertsPerToken, L = c.numLocalExperts(), H = c.hiddenDim, S = c.hiddenDimScaleBytes / 4;
+  const bool batched = c.layout == Layout::kBatched;
+  const int64_t R = static_cast<int64_t>(c.batchedRowsPerExpert());
+  // Batched: L * R rows in all (expertRows() is the rows of one expert there).
+  const int64_t rows = batched ? L * R : static_cast<int64_t>(c.expertRows());
+  const DType xType = c.hiddenDimBytes == c.hiddenDim ? DType::kFp8E4M3 : DType::kBf16;
+  const int64_t xCols = c.hiddenDimBytes / dtypeSize(xType);
+  // One DP group's tokens are identical on its ranks.
+  const uint32_t group = c.dpGroup();
+  indices = randomIndices(c, T, 12345 + group);
+  std::mt19937 rng(777 + group);
+  std::vector<uint8_t> xh(static_cast<size_t>(T) * c.hiddenDimBytes);
+  for (auto& b : xh) b = static_cast<uint8_t>(rng() & 0x7f);
+  std::vector<float> sh(static_cast<size_t>(T) * S + 1, 1.0f), wh(static_cast<size_t>(T) * K, 1.0f / K);
+  void* x = alloc(xh.size());
+  upload(x, xh.data(), xh.size());
+  void* xs = S ? alloc(sh.size() * 4) : nullptr;
+  if (xs) upload(xs, sh.data(), sh.size() * 4);
+  void* ind = alloc(indices.size() * 4);
+  upload(ind, indices.data(), indices.size() * 4);
+  void* w = alloc(wh.size() * 4);
+  upload(w, wh.data(), wh.size() * 4);
+  // expertY (prefill: 15 GB) is generated in place, on the GPU or the host, the same values (fill.hpp).
+  const uint64_t yElems = static_cast<uint64_t>(rows) * H, ySeed = 999 + group;
+  void* y = alloc(yElems * 2);
+  if (!device) {
+    uint16_t* yp = static_cast<uint16_t*>(y);
+    for (uint64_t i = 0; i < yElems; ++i) yp[i] = epcommBenchNearOne(ySeed, i);
+  } else {
+    epcommBenchFillNearOne(stream, static_cast<uint16_t*>(y), yElems, ySeed);
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    BENCH_CUDA(cudaGetLastError());
+  }
+  void* counts = alloc(L * 4);
+  void* ox = alloc(static_cast<size_t>(rows) * c.hiddenDimBytes);
+  void* os = S ? alloc(static_cast<size_t>(rows) * S * 4) : nullptr;
+  void* out = alloc(static_cast<size_t>(T) * H * 2);
+  auto expert = [&](void* p, DType t, int64_t cols) {
+    return batched ? TensorView::contiguous(p, t, {L, R, cols}, mk, dev)
+                   : TensorView::contiguous(p, t, {rows, cols}, mk, dev);
+  };
+  DispatchArgs& d = dispatch;
+  d.outExpertNumTokens = TensorView::contiguous(counts, DType::kI32, {L}, mk, dev);
+  d.outExpertX = expert(ox, xType, xCols);
+  if (S) {
+    d.outExpertXScale = expert(os, DType::kF32, S);
+    d.xScale = TensorView::contiguous(xs, DType::kF32, {T, S}, mk, dev);
+  }
+  d.x = TensorView::contiguous(x, xType, {T, xCols}, mk, dev);
+  d.indices = TensorView::contiguous(ind, DType::kI32, {T, K}, mk, dev);
+  d.stream = stream;
+  CombineArgs& cb = combine;
+  cb.outTokens = TensorView::contiguous(out, DType::kBf16, {T, H}, mk, dev);
+  cb.indices = d.indices;
+  cb.weights = TensorView::contiguous(w, DType::kF32, {T, K}, mk, dev);
+  cb.expertY = expert(y, DType::kBf16, H);
+  cb.stream = stream;
+}
+
+std::vector<uint64_t> Inputs::bytesPerPeer(const Config& c, bool perExpert) const {
+  const uint32_t W = c.worldSize, K = c.expertsPerToken, L = c.numLocalExperts(), rank = c.rank;
+  const uint64_t tokBytes = c.hiddenDimBytes + c.hiddenDimScaleBytes;
+  std::vector<uint64_t> out(W, 0);
+  for (uint32_t t = 0; t < tokens_; ++t) {
+    if (t % c.dpSize != rank % c.dpSize) continue;  // the DP group member that sends token t
+    std::vector<bool> seen(W, false);
+    for (uint32_t k = 0; k < K; ++k) {
+      const uint32_t owner = static_cast<uint32_t>(indices[static_cast<size_t>(t) * K + k]) / L;
+      if (owner == rank) continue;
+      if (perExpert || !seen[owner]) out[owner] += tokBytes;
+      seen[owner] = true;
+    }
+  }
+  return out;
+}
+
+}  // namespace bench
+}  // namespace epcomm

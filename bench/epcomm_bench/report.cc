@@ -1,0 +1,194 @@
+#include "report.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+namespace epcomm {
+namespace bench {
+
+namespace {
+
+std::string num(double v) {
+  if (v < 0) return "n/a";
+  char b[32];
+  std::snprintf(b, sizeof(b), "%.1f", v);
+  return b;
+}
+
+std::string jnum(double v) {
+  if (v < 0) return "null";
+  char b[32];
+  std::snprintf(b, sizeof(b), "%.3f", v);
+  return b;
+}
+
+std::string jlist(const std::vector<double>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i > 0 ? "," : "") + jnum(v[i]);
+  return s + "]";
+}
+
+// "12.3 / 12.9" (rank 0 / rank 1 / ...)
+std::string byRank(const std::vector<double>& v) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i > 0 ? " / " : "") + num(v[i]);
+  return s;
+}
+
+std::string nowUtc() {
+  char date[32];
+  std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  return date;
+}
+
+const char* kRowFormat = "%-8s %6s %5s | %9s %9s | %8s %8s %8s %8s | %8s %8s | %8s %9s %8s | %8s %8s\n";
+
+}  // namespace
+
+Report::Report(const Options& o, int world, bool gpu, bool sharedGpu, std::string machine, std::string barrier)
+    : o_(o),
+      world_(world),
+      gpu_(gpu),
+      sharedGpu_(sharedGpu),
+      machine_(std::move(machine)),
+      barrier_(std::move(barrier)),
+      rev_(revision(o)) {}
+
+void Report::json(const std::string& line) {
+  if (!o_.json.empty()) std::ofstream(o_.json, std::ios::app) << line;
+}
+
+void Report::header(const std::vector<std::string>& notes) {
+  const char* blocks = std::getenv("EPCOMM_NVLINK_BLOCKS");
+  std::printf(
+      "# epcomm-bench  backend=%s world=%d dp=%d iters=%d warmup=%d barrier=%s blocks=%s max-tokens=%s layout=%s "
+      "rev=%s machine=%s\n",
+      o_.backend.c_str(), world_, o_.dp, o_.iters, o_.warmup, barrier_.c_str(),
+      blocks != nullptr && *blocks != '\0' ? blocks : "auto",
+      o_.maxTokens > 0 ? std::to_string(o_.maxTokens).c_str() : "T", layoutName(o_.layout), rev_.c_str(),
+      machine_.c_str());
+  std::printf(
+      "# times in us (median, max over ranks); GB/s = cross-rank payload bytes per rank per direction / time\n");
+  for (const std::string& n : notes) std::printf("# %s\n", n.c_str());
+  std::printf(kRowFormat, "config", "tokens", "graph", "dispatch", "combine", "d.send", "d.recv", "c.send", "c.recv",
+              "d.dev", "c.dev", "nccl", "nccl.pplx", "a2a", "d.GB/s", "c.GB/s");
+  std::fflush(stdout);
+}
+
+void Report::skew(const Skew& s) {
+  const bool used = s.barrier == barrier_;
+  std::printf("# barrier %s: exit skew between ranks median %.1f us, p90 %.1f us (%d rounds)%s\n", s.barrier.c_str(),
+              s.medianUs, s.p90Us, s.rounds, used ? "  <- used for timing" : "");
+  std::fflush(stdout);
+  std::ostringstream f;
+  f << "{\"bench\":\"epcomm-barrier-skew\",\"barrier\":\"" << s.barrier << "\",\"world\":" << world_
+    << ",\"skew_median_us\":" << jnum(s.medianUs) << ",\"skew_p90_us\":" << jnum(s.p90Us) << ",\"rounds\":" << s.rounds
+    << ",\"used\":" << (used ? "true" : "false") << ",\"rev\":\"" << rev_ << "\",\"machine\":\"" << machine_ << "\"}\n";
+  json(f.str());
+}
+
+void Report::floor(int blocks, double emptyUs, double emptyHostUs, double emptyLikeUs, unsigned likeSmemKb,
+                   double flagUs, double flagDeviceUs) {
+  std::printf(
+      "# floor (%d blocks of 512 threads, median, max over ranks): empty kernel %.1f us (launch call %.1f us on the "
+      "host; %.1f us with 512 B of parameters and %u KB of shared memory); one flag each way %.1f us eager, %.1f us "
+      "device-only\n",
+      blocks, emptyUs, emptyHostUs, emptyLikeUs, likeSmemKb, flagUs, flagDeviceUs);
+  std::fflush(stdout);
+  std::ostringstream f;
+  f << "{\"bench\":\"epcomm-floor\",\"world\":" << world_ << ",\"blocks\":" << blocks << ",\"empty_us\":" << emptyUs
+    << ",\"empty_host_us\":" << emptyHostUs << ",\"empty_like_us\":" << emptyLikeUs << ",\"flag_us\":" << flagUs
+    << ",\"flag_device_us\":" << flagDeviceUs << ",\"iters\":" << o_.iters << ",\"rev\":\"" << rev_
+    << "\",\"machine\":\"" << machine_ << "\"}\n";
+  json(f.str());
+}
+
+void Report::row(const RowInfo& r, const Measurement& m) {
+  const double dGb = m.dispatch > 0 ? r.dispatchBytes / (m.dispatch * 1e3) : -1;
+  const double cGb = m.combine > 0 ? r.combineBytes / (m.combine * 1e3) : -1;
+  const bool g = r.graph;
+  std::printf(kRowFormat, r.config.c_str(), std::to_string(r.tokens).c_str(), g ? "yes" : "no", num(m.dispatch).c_str(),
+              num(m.combine).c_str(), g ? "-" : num(m.dSend).c_str(), g ? "-" : num(m.dRecv).c_str(),
+              g ? "-" : num(m.cSend).c_str(), g ? "-" : num(m.cRecv).c_str(), num(m.dDev).c_str(), num(m.cDev).c_str(),
+              num(m.nccl).c_str(), num(m.ncclPplx).c_str(), num(m.fabricA2a).c_str(), num(dGb).c_str(),
+              num(cGb).c_str());
+  if (m.dHost >= 0) {
+    std::printf("#   host time inside the eager calls (median, max over ranks): dispatch %.1f us, combine %.1f us\n",
+                m.dHost, m.cHost);
+    std::printf("#   eager medians by rank: dispatch %s, combine %s; host time inside dispatch %s\n",
+                byRank(m.dRanks).c_str(), byRank(m.cRanks).c_str(), byRank(m.dHostRanks).c_str());
+  }
+  std::fflush(stdout);
+  const Config& c = r.c;
+  std::ostringstream f;
+  f << "{\"backend\":\"" << r.backend << "\",\"world\":" << world_ << ",\"dp\":" << c.dpSize << ",\"config\":\""
+    << r.config << "\",\"layout\":\"" << layoutName(c.layout) << "\",\"tokens\":" << r.tokens
+    << ",\"max_tokens\":" << c.maxNumTokens << ",\"graph\":" << (g ? "true" : "false")
+    << ",\"dispatch_us\":" << jnum(m.dispatch) << ",\"combine_us\":" << jnum(m.combine)
+    << ",\"dispatch_send_us\":" << jnum(g ? -1 : m.dSend) << ",\"dispatch_recv_us\":" << jnum(g ? -1 : m.dRecv)
+    << ",\"combine_send_us\":" << jnum(g ? -1 : m.cSend) << ",\"combine_recv_us\":" << jnum(g ? -1 : m.cRecv)
+    << ",\"dispatch_device_us\":" << jnum(m.dDev) << ",\"combine_device_us\":" << jnum(m.cDev)
+    << ",\"nccl_us\":" << jnum(m.nccl) << ",\"nccl_pplx_us\":" << jnum(m.ncclPplx)
+    << ",\"fabric_a2a_us\":" << jnum(m.fabricA2a);
+  if (!r.fabricProvider.empty()) f << ",\"fabric_provider\":\"" << r.fabricProvider << "\"";
+  if (m.dHost >= 0) {
+    f << ",\"dispatch_host_us\":" << jnum(m.dHost) << ",\"combine_host_us\":" << jnum(m.cHost)
+      << ",\"dispatch_us_by_rank\":" << jlist(m.dRanks) << ",\"combine_us_by_rank\":" << jlist(m.cRanks)
+      << ",\"dispatch_host_us_by_rank\":" << jlist(m.dHostRanks);
+  }
+  const char* blocks = std::getenv("EPCOMM_NVLINK_BLOCKS");
+  f << ",\"dispatch_bytes_per_rank\":" << static_cast<uint64_t>(r.dispatchBytes)
+    << ",\"pplx_bytes_rank0\":" << r.pplxBytes << ",\"combine_bytes_rank0\":" << r.combineBytes
+    << ",\"buffer_bytes\":" << r.bufferBytes << ",\"shared_gpu\":" << (sharedGpu_ ? "true" : "false")
+    << ",\"barrier\":\"" << barrier_ << "\",\"nvlink_blocks_env\":\"" << (blocks != nullptr ? blocks : "")
+    << "\",\"iters\":" << o_.iters << ",\"warmup\":" << o_.warmup << ",\"rev\":\"" << rev_ << "\",\"machine\":\""
+    << machine_ << "\",\"date\":\"" << nowUtc() << "\"}\n";
+  json(f.str());
+  if (!gpu_) rows_.push_back(f.str());
+}
+
+void Report::fabricOps(const std::string& backend, const std::string& config, uint32_t tokens,
+                       const TransferStats& st) {
+  double ops[4] = {0, 0, 0, 0}, bytes = 0;
+  for (const PeerTransferStats& p : st.peers) {
+    ops[0] += p.headWrites;
+    ops[1] += p.bulkWrites;
+    ops[2] += p.combineWrites;
+    ops[3] += p.barrierImms;
+    bytes += p.bytes;
+  }
+  const double n = static_cast<double>(std::max<uint64_t>(st.dispatchRounds, 1)) * std::max(world_ - 1, 1);
+  std::printf(
+      "# fabric ops per peer per round (%s, %llu rounds, provider %s, private area %u tokens): head %.2f, bulk %.2f, "
+      "combine %.2f, barrier %.2f, writes %.2f, bytes %.0f\n",
+      config.c_str(), static_cast<unsigned long long>(st.dispatchRounds), st.provider.c_str(), st.privateTokens,
+      ops[0] / n, ops[1] / n, ops[2] / n, ops[3] / n, (ops[0] + ops[1] + ops[2]) / n, bytes / n);
+  std::fflush(stdout);
+  char line[640];
+  std::snprintf(line, sizeof(line),
+                "{\"bench\":\"epcomm-fabric-ops\",\"backend\":\"%s\",\"config\":\"%s\",\"world\":%d,\"tokens\":%u,"
+                "\"provider\":\"%s\",\"private_tokens\":%u,\"head_writes_per_peer_round\":%.3f,"
+                "\"bulk_writes_per_peer_round\":%.3f,\"combine_writes_per_peer_round\":%.3f,"
+                "\"barrier_imms_per_peer_round\":%.3f,\"writes_per_peer_round\":%.3f,\"bytes_per_peer_round\":%.0f}\n",
+                backend.c_str(), config.c_str(), world_, tokens, st.provider.c_str(), st.privateTokens, ops[0] / n,
+                ops[1] / n, ops[2] / n, ops[3] / n, (ops[0] + ops[1] + ops[2]) / n, bytes / n);
+  json(line);
+  if (!gpu_) extras_.push_back(line);
+}
+
+void Report::finish() {
+  if (gpu_ || (rows_.empty() && extras_.empty())) return;
+  std::printf("# JSON lines: one per table row, then the fabric operations per configuration\n");
+  for (const std::string& j : rows_) std::fputs(j.c_str(), stdout);
+  for (const std::string& j : extras_) std::fputs(j.c_str(), stdout);
+  std::fflush(stdout);
+}
+
+}  // namespace bench
+}  // namespace epcomm
