@@ -26,16 +26,6 @@ const std::vector<EnvVar>& envVars() {
       {"EPCOMM_PROXY_CPU", "-1", "core to pin the progress/proxy thread to (-1: not pinned)"},
       {"EPCOMM_NVLINK_BLOCKS", "0", "nvlink backend: thread blocks per kernel (0: automatic)"},
       {"EPCOMM_NVLINK_THREADS", "0", "nvlink backend: threads per block, 256 or 512 (0: automatic)"},
-      {"EPCOMM_NVLINK_PULL", "-1",
-       "nvlink backend: 1 = receivers read the peers' tokens from the peers' memory, 0 = senders store them into the "
-       "receivers' memory, -1 = automatic (pull for batches of at least one work unit per warp)"},
-      {"EPCOMM_NVLINK_PUSH_QUARTERS", "-1",
-       "nvlink backend, pull mode: quarters (0-4) of every sender's tokens pushed into the receivers all the same, "
-       "-1 = automatic (1)"},
-      {"EPCOMM_NVLINK_LINES", "-1",
-       "nvlink backend, push mode: 1 = tokens travel as tagged 128-byte lines and receivers rank the senders' tokens "
-       "themselves (no flag, no fence), 0 = plain slots behind a flag, -1 = automatic (plain slots: since the fused "
-       "push dispatch has its own small kernel it is faster at every size)"},
       {"EPCOMM_NVLINK_GRAPH_LAUNCH", "1",
        "nvlink backend: 1 = an eager call whose arguments repeat launches its kernel as a cached one-node CUDA graph "
        "(made at the second such call; calls on a capturing stream always launch plainly), 0 = plain launches"},
@@ -97,10 +87,7 @@ Env readEnv() {
   e.proxyCpu = static_cast<int>(envInt("EPCOMM_PROXY_CPU"));
   e.nvlinkBlocks = static_cast<int>(envIntIn("EPCOMM_NVLINK_BLOCKS", 0, 1 << 16));
   e.nvlinkThreads = static_cast<int>(envIntIn("EPCOMM_NVLINK_THREADS", 0, 512));
-  e.nvlinkTrace = static_cast<int>(envInt("EPCOMM_NVLINK_TRACE"));
-  e.nvlinkPull = static_cast<int>(envIntIn("EPCOMM_NVLINK_PULL", -1, 1));
-  e.nvlinkPushQuarters = static_cast<int>(envIntIn("EPCOMM_NVLINK_PUSH_QUARTERS", -1, 4));
-  e.nvlinkLines = static_cast<int>(envIntIn("EPCOMM_NVLINK_LINES", -1, 1));
+  e.nvlinkTrace = static_cast<int>(envIntIn("EPCOMM_NVLINK_TRACE", 0, 2));
   e.nvlinkGraphLaunch = envIntIn("EPCOMM_NVLINK_GRAPH_LAUNCH", 0, 1) != 0;
   for (char** p = environ; p != nullptr && *p != nullptr; ++p) {
     if (std::strncmp(*p, "EPCOMM_", 7) != 0) continue;

@@ -32,9 +32,6 @@ struct Env {
   int nvlinkBlocks;            ///< EPCOMM_NVLINK_BLOCKS: blocks of every nvlink kernel (0 = auto).
   int nvlinkThreads;           ///< EPCOMM_NVLINK_THREADS: threads per nvlink block, 256 or 512 (0 = auto).
   int nvlinkTrace;             ///< EPCOMM_NVLINK_TRACE: per-block phase stamps, summary at destruction (2: per block).
-  int nvlinkPull;              ///< EPCOMM_NVLINK_PULL: 1 pull, 0 push, -1 automatic (see nvlink::makeGeometry).
-  int nvlinkPushQuarters;      ///< EPCOMM_NVLINK_PUSH_QUARTERS: pull mode's pushed share, -1 automatic.
-  int nvlinkLines;             ///< EPCOMM_NVLINK_LINES: 1 line mode, 0 off, -1 automatic (see nvlink::makeGeometry).
   bool nvlinkGraphLaunch;      ///< EPCOMM_NVLINK_GRAPH_LAUNCH: eager launches through cached one-node graphs.
 };
 

@@ -11,8 +11,10 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "backends/backends.hpp"
 #include "epcomm/error.hpp"
 #include "gpu_harness.hpp"
 #include "support/multiprocess.hpp"
@@ -256,7 +258,7 @@ Scenario decodeShape() {
   return s;
 }
 
-// 128 and 64 tokens (plain slots, automatic: the small fused push kernel).
+// 128 and 64 tokens (the fused push kernel).
 TEST(NvlinkGpu, W2DecodeShape) {
   REQUIRE_GPUS(2);
   Scenario s = decodeShape();
@@ -302,44 +304,6 @@ TEST(NvlinkGpu, W1RoutingChunks) {
 TEST(NvlinkGpu, W2RoutingChunks) {
   REQUIRE_GPUS(2);
   runAll(2, routingChunks(2));
-}
-
-// Line mode forced on for small batches (EPCOMM_NVLINK_LINES=1; the W2 tests above use plain slots, automatic since
-// the fused push dispatch has its own small kernel): tagged lines, no flag. Decode shape, split + accumulate, packed +
-// padding with D = 2, mixed fused/split.
-TEST(NvlinkGpu, W2LinesForSmallBatches) {
-  REQUIRE_GPUS(2);
-  ScopedEnv env({{"EPCOMM_NVLINK_LINES", "1"}});
-  Scenario decode = decodeShape();
-  decode.maxTokens = 64;  // the lean split
-  Scenario split = base(2);
-  split.split = true;
-  split.accumulate = true;
-  split.masked = true;
-  Scenario packed = base(2);
-  packed.dp = 2;
-  packed.layout = Layout::kPacked;
-  packed.padding = 4;
-  packed.masked = true;
-  packed.deviceBound = true;
-  Scenario mixed = base(2);
-  mixed.splitOddRanks = true;
-  mixed.scales = true;
-  mixed.xType = DType::kFp8E4M3;
-  runAll(2, {decode, split, packed, mixed});
-}
-
-// Line mode forced on beyond its automatic bound: the decode shape (fp8 + scales in the lines, 128 tokens of 66 lines),
-// and 1300 tokens per sender with push mode forced: receivers' tables over 15600 routing entries (~135 KB of shared
-// memory), several routing blocks, fused and split, both layouts.
-TEST(NvlinkGpu, W2LinesForLargeBatches) {
-  REQUIRE_GPUS(2);
-  ScopedEnv env({{"EPCOMM_NVLINK_LINES", "1"}, {"EPCOMM_NVLINK_PULL", "0"}});
-  std::vector<Scenario> list = routingChunks(2);
-  Scenario decode = decodeShape();
-  decode.masked = true;
-  list.push_back(decode);
-  runAll(2, list);
 }
 
 // Every payload dtype with every (expertY, outTokens) pair, on one and on two GPUs.
@@ -533,10 +497,66 @@ TEST(NvlinkGpu, W2PeerNeverEntersCombineTimesOut) {
   peerNeverEnters("combine");
 }
 
-// Plain slots (automatic): rank 0's receivers wait on rank 1's tagged token count and never see it.
+// Rank 0's receivers wait on rank 1's tagged token count and never see it.
 TEST(NvlinkGpu, W2PeerNeverDispatchesTimesOut) {
   REQUIRE_GPUS(2);
   peerNeverEnters("dispatch");
+}
+
+// Setup that fails after its allocations: rank 1 joins the rendezvous but never creates its object, so rank 0's
+// constructor, past its device and pinned allocations and its IPC handle, waits in the exchange of handles until the
+// bootstrap's timeout and throws. (backends::createNvlink is what the factory calls once every rank said it can run
+// nvlink: through createAllToAll the factory's own exchange would be the one to time out, before any allocation.)
+// Every attempt must give back what it took. Rank 0's free device memory is measured after a first failed attempt,
+// which also pays what the first use costs once (the runtime's pools, module loading), and must be the same after
+// three more: the object's buffers (~300 MB here, the region most of it) would show, were any of them kept.
+TEST(NvlinkGpu, W2SetupFailureFreesEverything) {
+  REQUIRE_GPUS(1);  // rank 1 never touches a GPU
+  test::RunOptions o = options();
+  o.bootstrapTimeoutMs = 1500;
+  test::RunResult result = test::runRanks(
+      2,
+      [](int rank, Bootstrap& bootstrap) {
+        if (rank == 1) {
+          // Connected, silent: rank 0 times out waiting for its handle (well within this sleep).
+          std::this_thread::sleep_for(std::chrono::seconds(6));
+          return;
+        }
+        CUDA_OK(cudaSetDevice(0));
+        CUDA_OK(cudaFree(nullptr));  // the context
+        Scenario s = decodeShape();
+        s.maxTokens = 4096;
+        const Config config = gputest::scenarioConfig(s, 0);
+        uint64_t planned = 0;
+        for (const PlannedBuffer& b : backends::planNvlink(config)) planned += b.bytes;
+        ASSERT_GT(planned, 256ull << 20);
+        auto freeBytes = [] {
+          size_t freeB = 0, totalB = 0;
+          EXPECT_EQ(cudaMemGetInfo(&freeB, &totalB), cudaSuccess);
+          return freeB;
+        };
+        const size_t before = freeBytes();
+        std::vector<size_t> after;
+        for (int attempt = 0; attempt < 4; ++attempt) {
+          try {
+            std::unique_ptr<AllToAll> a2a = backends::createNvlink(config, bootstrap);
+            ADD_FAILURE() << "attempt " << attempt << ": setup succeeded although rank 1 never joined";
+          } catch (const Error& e) {
+            // The first attempt times out in the exchange; the later ones meet the failed bootstrap at once.
+            EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+            EXPECT_NE(e.message().find("rank 1"), std::string::npos) << e.what();
+          }
+          after.push_back(freeBytes());
+        }
+        for (int attempt = 1; attempt < 4; ++attempt) {
+          EXPECT_EQ(after[attempt], after[0])
+              << "attempt " << attempt << " kept " << static_cast<int64_t>(after[0] - after[attempt])
+              << " bytes of device memory (" << planned << " bytes planned per object; the first attempt took "
+              << static_cast<int64_t>(before - after[0]) << " bytes once)";
+        }
+      },
+      o);
+  EXPECT_TRUE(result.allOk()) << result.summary();
 }
 
 // Calls out of order are refused before anything is launched, and the object stays usable: combine before any

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backends/backends.hpp"
+#include "backends/nvlink/nvlink_cuda.hpp"
 #include "backends/nvlink/nvlink_kernels.hpp"
 #include "backends/nvlink/nvlink_launch.hpp"
 #include "backends/nvlink/nvlink_layout.hpp"
@@ -23,16 +24,6 @@
 #include "core/log.hpp"
 #include "core/validate.hpp"
 #include "epcomm/error.hpp"
-
-/// Throws Error(kCuda) naming the call and CUDA's message unless `expr` returns cudaSuccess.
-#define EPCOMM_CHECK_CUDA(expr)                                                           \
-  do {                                                                                    \
-    cudaError_t epcomm_err_ = (expr);                                                     \
-    if (epcomm_err_ != cudaSuccess) {                                                     \
-      EPCOMM_THROW(kCuda, #expr << " failed: " << cudaGetErrorString(epcomm_err_) << " (" \
-                                << static_cast<int>(epcomm_err_) << ")");                 \
-    }                                                                                     \
-  } while (0)
 
 namespace epcomm {
 namespace backends {
@@ -47,8 +38,8 @@ uint64_t batchTokens(const Config& c) { return static_cast<uint64_t>(c.maxNumTok
 // Threads per block: 256 for batches of up to 256 tokens per rank (kSmallThreads), else 512 (kMaxThreads);
 // EPCOMM_NVLINK_THREADS overrides. With 256 a kernel takes twice the blocks of half the size: the same warps and
 // registers, spread over every SM instead of half of them (2x H200, decode T = 128: dispatch and combine ~0.5 us
-// faster, docs/nvlink.md, twenty-third pass). Larger batches keep 512: a routing block of 8 warps scans 256 tokens
-// per pass, and T = 512 needed two routing blocks that wait for each other (+6 us).
+// faster, docs/nvlink.md). Larger batches keep 512: a routing block of 8 warps scans 256 tokens per pass, and
+// T = 512 needed two routing blocks that wait for each other (+6 us).
 uint32_t chooseThreads(const Config& c) {
   const int t = env().nvlinkThreads;
   EPCOMM_CHECK(t == 0 || t == static_cast<int>(nvlink::kSmallThreads) || t == static_cast<int>(nvlink::kMaxThreads),
@@ -75,8 +66,7 @@ uint32_t chooseBlocks(const Config& c, int smCount, uint32_t threads) {
 // The geometry of `config` on a GPU of `smCount` SMs, with the environment's overrides.
 Geometry geometryFor(const Config& config, int smCount) {
   const uint32_t threads = chooseThreads(config);
-  return nvlink::makeGeometry(config, chooseBlocks(config, smCount, threads), env().nvlinkPull,
-                              env().nvlinkPushQuarters, env().nvlinkLines, threads);
+  return nvlink::makeGeometry(config, chooseBlocks(config, smCount, threads), threads);
 }
 
 int combineType(DType t) {
@@ -117,21 +107,20 @@ int pickDevice(const Config& c) {
   return local;
 }
 
-/// What each rank publishes at setup.
+/// What each rank publishes at setup: where it runs, its region's IPC handle, and what every rank must agree on.
 struct PeerInfo {
   char host[64];
   cudaIpcMemHandle_t handle;
   uint32_t blocks;
   uint32_t threads;
-  uint32_t pull;
-  uint32_t pushQuarters;
-  uint32_t lines;
   int32_t device;
   uint64_t bytes;
 };
 
 class NvlinkAllToAll final : public AllToAll {
  public:
+  // Every CUDA resource lands in an owner (nvlink_cuda.hpp) as soon as it exists: when a step throws (a peer that
+  // never joins the exchange, a disagreement), the members built so far release everything.
   NvlinkAllToAll(const Config& config, Bootstrap& bootstrap) : config_(config), bootstrap_(bootstrap) {
     device_ = pickDevice(config);
     EPCOMM_CHECK_CUDA(cudaSetDevice(device_));
@@ -149,72 +138,62 @@ class NvlinkAllToAll final : public AllToAll {
     int smemMax = 0;
     EPCOMM_CHECK_CUDA(cudaDeviceGetAttribute(&smemMax, cudaDevAttrMaxSharedMemoryPerBlockOptin, device_));
     EPCOMM_CHECK(smem <= static_cast<uint32_t>(smemMax), kInvalidConfig,
-                 "nvlink kernels would need "
-                     << smem << " bytes of shared memory (numExperts = " << config.numExperts
-                     << (geo_.lines ? ", line mode's tables for W x tokens x K routing entries" : "")
-                     << "), the device allows " << smemMax << (geo_.lines ? " (set EPCOMM_NVLINK_LINES=0)" : ""));
+                 "nvlink kernels would need " << smem << " bytes of shared memory (numExperts = " << config.numExperts
+                                              << "), the device allows " << smemMax);
     int rc = nvlink::configureKernels(smem);
     EPCOMM_CHECK(rc == 0, kCuda,
                  "cudaFuncSetAttribute(max dynamic shared memory "
                      << smem << ") failed: " << cudaGetErrorString(static_cast<cudaError_t>(rc)));
 
-    EPCOMM_CHECK_CUDA(cudaMalloc(&region_, geo_.totalBytes));
-    EPCOMM_CHECK_CUDA(cudaMemset(region_, 0, geo_.totalBytes));
-    EPCOMM_CHECK_CUDA(cudaMalloc(&seq_, nvlink::roundCounterBytes(geo_)));
-    EPCOMM_CHECK_CUDA(cudaMemset(seq_, 0, nvlink::roundCounterBytes(geo_)));
-    claimed_ = reinterpret_cast<int32_t*>(reinterpret_cast<char*>(seq_) + 4 * geo_.blocks * sizeof(uint32_t));
-    EPCOMM_CHECK_CUDA(cudaMalloc(&route_, nvlink::routeScratchBytes(geo_)));
-    EPCOMM_CHECK_CUDA(cudaMemset(route_, 0, nvlink::routeScratchBytes(geo_)));
-    EPCOMM_CHECK_CUDA(cudaMalloc(&rowSlots_, nvlink::rowSlotBytes(geo_)));
-    EPCOMM_CHECK_CUDA(cudaMemset(rowSlots_, 0xff, nvlink::rowSlotBytes(geo_)));  // every word kNoRowSlot
-    EPCOMM_CHECK_CUDA(
-        cudaHostAlloc(reinterpret_cast<void**>(&hostError_), sizeof(nvlink::ErrorRecord), cudaHostAllocMapped));
-    std::memset(hostError_, 0, sizeof(nvlink::ErrorRecord));
-    EPCOMM_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&hostErrorDev_), hostError_, 0));
-    if (env().nvlinkTrace != 0) trace_.enable(geo_.blocks, env().nvlinkTrace >= 2);
-    EPCOMM_CHECK_CUDA(cudaDeviceSynchronize());
+    region_ = nvlink::allocDevice(geo_.totalBytes);
+    seq_ = nvlink::allocDevice(nvlink::roundCounterBytes(geo_));
+    route_ = nvlink::allocDevice(nvlink::routeScratchBytes(geo_));
+    rowSlots_ = nvlink::allocDevice(nvlink::rowSlotBytes(geo_));
+    hostError_ = nvlink::allocPinnedMapped(sizeof(nvlink::ErrorRecord));
+    std::memset(hostError_.get(), 0, sizeof(nvlink::ErrorRecord));
+    EPCOMM_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&hostErrorDev_), hostError_.get(), 0));
+    {
+      // Zeroed on a stream of the setup's own, which is all it waits for (not the rest of the device).
+      const nvlink::Stream setup = nvlink::makeStream();
+      if (env().nvlinkTrace != 0) trace_.enable(geo_.blocks, env().nvlinkTrace >= 2, setup.get());
+      EPCOMM_CHECK_CUDA(cudaMemsetAsync(region_.get(), 0, geo_.totalBytes, setup.get()));
+      EPCOMM_CHECK_CUDA(cudaMemsetAsync(seq_.get(), 0, nvlink::roundCounterBytes(geo_), setup.get()));
+      EPCOMM_CHECK_CUDA(cudaMemsetAsync(route_.get(), 0, nvlink::routeScratchBytes(geo_), setup.get()));
+      // Every word kNoRowSlot.
+      EPCOMM_CHECK_CUDA(cudaMemsetAsync(rowSlots_.get(), 0xff, nvlink::rowSlotBytes(geo_), setup.get()));
+      EPCOMM_CHECK_CUDA(cudaStreamSynchronize(setup.get()));
+    }
 
     PeerInfo mine{};
     gethostname(mine.host, sizeof(mine.host) - 1);
     mine.blocks = geo_.blocks;
     mine.threads = geo_.threads;
-    mine.pull = geo_.pull;
-    mine.pushQuarters = geo_.pushQuarters;
-    mine.lines = geo_.lines;
     mine.device = device_;
     mine.bytes = geo_.totalBytes;
-    EPCOMM_CHECK_CUDA(cudaIpcGetMemHandle(&mine.handle, region_));
+    EPCOMM_CHECK_CUDA(cudaIpcGetMemHandle(&mine.handle, region_.get()));
     std::vector<PeerInfo> all(W);
     bootstrap_.allGather(&mine, all.data(), sizeof(PeerInfo));
+    const uint32_t me = config.rank;
     for (uint32_t r = 0; r < W; ++r) {
       EPCOMM_CHECK(std::strncmp(all[r].host, mine.host, sizeof(mine.host)) == 0, kUnavailable,
                    "nvlink backend needs every rank on one node: rank "
-                       << r << " runs on '" << all[r].host << "', rank " << config.rank << " on '" << mine.host << "'");
+                       << r << " runs on '" << all[r].host << "', rank " << me << " on '" << mine.host << "'");
+      // The knobs that shape the protocol (a receiver counts B signals per sender; blocks x threads set the scan
+      // tables and the work split) must be equal on every rank.
       EPCOMM_CHECK(all[r].blocks == geo_.blocks, kInvalidConfig,
-                   "ranks disagree on nvlink blocks per kernel: rank " << r << " uses " << all[r].blocks << ", rank "
-                                                                       << config.rank << " uses " << geo_.blocks
-                                                                       << " (set EPCOMM_NVLINK_BLOCKS equally)");
+                   "ranks disagree on nvlink blocks per kernel (EPCOMM_NVLINK_BLOCKS, or different GPUs): rank "
+                       << r << " uses " << all[r].blocks << ", rank " << me << " uses " << geo_.blocks);
       EPCOMM_CHECK(all[r].threads == geo_.threads, kInvalidConfig,
-                   "ranks disagree on nvlink threads per block: rank " << r << " uses " << all[r].threads << ", rank "
-                                                                       << config.rank << " uses " << geo_.threads
-                                                                       << " (set EPCOMM_NVLINK_THREADS equally)");
-      EPCOMM_CHECK(all[r].pull == geo_.pull, kInvalidConfig,
-                   "ranks disagree on the nvlink transfer mode: rank " << r << (all[r].pull ? " pulls" : " pushes")
-                                                                       << " (set EPCOMM_NVLINK_PULL equally)");
-      EPCOMM_CHECK(all[r].pushQuarters == geo_.pushQuarters, kInvalidConfig,
-                   "ranks disagree on the nvlink pushed share: rank "
-                       << r << " pushes " << all[r].pushQuarters << " quarters, rank " << config.rank << " "
-                       << geo_.pushQuarters << " (set EPCOMM_NVLINK_PUSH_QUARTERS equally)");
-      EPCOMM_CHECK(all[r].lines == geo_.lines, kInvalidConfig,
-                   "ranks disagree on the nvlink line mode: rank " << r << (all[r].lines ? " uses" : " does not use")
-                                                                   << " lines (set EPCOMM_NVLINK_LINES equally)");
+                   "ranks disagree on nvlink threads per block (EPCOMM_NVLINK_THREADS): rank "
+                       << r << " uses " << all[r].threads << ", rank " << me << " uses " << geo_.threads);
       EPCOMM_CHECK(all[r].bytes == geo_.totalBytes, kInvalidConfig,
-                   "ranks disagree on the buffer size: rank " << r << " has " << all[r].bytes);
+                   "ranks disagree on the nvlink buffer size (their configs differ): rank "
+                       << r << " has " << all[r].bytes << " bytes, rank " << me << " " << geo_.totalBytes);
     }
     peers_.assign(nvlink::kMaxRanks, nullptr);
-    peers_[config.rank] = static_cast<char*>(region_);
+    peers_[me] = static_cast<char*>(region_.get());
     for (uint32_t r = 0; r < W; ++r) {
-      if (r == config.rank) continue;
+      if (r == me) continue;
       if (all[r].device != device_) {
         int can = 0;
         EPCOMM_CHECK_CUDA(cudaDeviceCanAccessPeer(&can, device_, all[r].device));
@@ -223,8 +202,8 @@ class NvlinkAllToAll final : public AllToAll {
       }
       void* p = nullptr;
       EPCOMM_CHECK_CUDA(cudaIpcOpenMemHandle(&p, all[r].handle, cudaIpcMemLazyEnablePeerAccess));
+      peerMaps_.emplace_back(p);
       peers_[r] = static_cast<char*>(p);
-      opened_.push_back(p);
     }
     // Nobody may store into a peer's region before the peer zeroed it (done above, before the allGather) and
     // every rank has mapped every other one.
@@ -234,11 +213,12 @@ class NvlinkAllToAll final : public AllToAll {
                                                 << " bytes peer-mapped, " << config.toString());
   }
 
+  // Peers may store into our region until they finished their last kernel: wait for this object's own work, then
+  // for every rank (the barrier), then the owners unmap and free. Work of this object captured into a caller's CUDA
+  // graph is the caller's to finish first.
   ~NvlinkAllToAll() override {
-    // Peers may still store into our region until they finished their last kernel: wait for our own work, then
-    // for everyone, then unmap and free.
     cudaSetDevice(device_);
-    cudaDeviceSynchronize();
+    if (marks_.wait() != cudaSuccess) cudaGetLastError();
     launches_.reset();
     if (trace_.enabled()) std::fputs(trace_.summary(static_cast<int>(config_.rank)).c_str(), stderr);
     try {
@@ -246,12 +226,6 @@ class NvlinkAllToAll final : public AllToAll {
     } catch (const std::exception& e) {
       EPCOMM_LOG(kWarn, "nvlink teardown barrier failed: " << e.what());
     }
-    for (void* p : opened_) cudaIpcCloseMemHandle(p);
-    if (region_ != nullptr) cudaFree(region_);
-    if (seq_ != nullptr) cudaFree(seq_);
-    if (route_ != nullptr) cudaFree(route_);
-    if (rowSlots_ != nullptr) cudaFree(rowSlots_);
-    if (hostError_ != nullptr) cudaFreeHost(hostError_);
   }
 
   void dispatch(const DispatchArgs& a) override {
@@ -262,12 +236,8 @@ class NvlinkAllToAll final : public AllToAll {
     nvlink::DispatchKernelArgs k = p.k;
     checkCurrentDevice();
     k.st.trace = trace_.next(nvlink::PhaseTrace::kDispatch, a.doSend, a.doRecv);
-    int rc = launches_->launch(nvlink::dispatchLaunch(k, a.doSend, a.doRecv), &k, sizeof k,
-                               static_cast<cudaStream_t>(a.stream));
-    EPCOMM_CHECK(rc == 0, kCuda,
-                 "rank " << config_.rank
-                         << ": dispatch kernel launch failed: " << cudaGetErrorString(static_cast<cudaError_t>(rc)));
-    order_.dispatched(a.doSend, a.doRecv);
+    launch(nvlink::dispatchLaunch(k, a.doSend, a.doRecv), &k, sizeof k, a.stream, "dispatch",
+           [&] { order_.dispatched(a.doSend, a.doRecv); });
   }
 
   void combine(const CombineArgs& a) override {
@@ -286,17 +256,17 @@ class NvlinkAllToAll final : public AllToAll {
     nvlink::CombineKernelArgs k = p.k;
     checkCurrentDevice();
     k.st.trace = trace_.next(nvlink::PhaseTrace::kCombine, a.doSend, a.doRecv);
-    int rc = launches_->launch(nvlink::combineLaunch(k, a.doSend, a.doRecv, partialType_, outType), &k, sizeof k,
-                               static_cast<cudaStream_t>(a.stream));
-    EPCOMM_CHECK(rc == 0, kCuda,
-                 "rank " << config_.rank
-                         << ": combine kernel launch failed: " << cudaGetErrorString(static_cast<cudaError_t>(rc)));
-    order_.combined(a.doSend, a.doRecv);
+    launch(nvlink::combineLaunch(k, a.doSend, a.doRecv, partialType_, outType), &k, sizeof k, a.stream, "combine",
+           [&] { order_.combined(a.doSend, a.doRecv); });
   }
 
+  // Waits for the streams this object launched on, up to its last launch on each (LaunchMarks), not for the device.
   void synchronize() override {
     checkUsable();
-    EPCOMM_CHECK_CUDA(cudaDeviceSynchronize());
+    const cudaError_t e = marks_.wait();
+    EPCOMM_CHECK(e == cudaSuccess, kCuda,
+                 "rank " << config_.rank << ": nvlink kernels failed: " << cudaGetErrorString(e) << " ("
+                         << static_cast<int>(e) << ")");
     checkUsable();
   }
 
@@ -311,6 +281,25 @@ class NvlinkAllToAll final : public AllToAll {
   // Slot of a call's kind in packedDispatch_ / packedCombine_: send half 0, receive half 1, both 2; -1 for neither
   // (the argument checks then throw).
   static int callSlot(bool doSend, bool doRecv) { return (doSend ? 1 : 0) + (doRecv ? 2 : 0) - 1; }
+
+  // Launches kernel `l` with the `bytes` bytes at `args` on `stream` (through the launch cache), runs `launched` (the
+  // call order's step) once it is on the stream, and marks the launch for synchronize() unless the stream is capturing
+  // a graph. Throws Error(kCuda) naming `what` when the launch or its mark fails.
+  template <typename Launched>
+  void launch(const nvlink::KernelLaunch& l, const void* args, size_t bytes, void* stream, const char* what,
+              Launched launched) {
+    const auto s = static_cast<cudaStream_t>(stream);
+    const int rc = launches_->launch(l, args, bytes, s);
+    EPCOMM_CHECK(rc == 0, kCuda,
+                 "rank " << config_.rank << ": " << what
+                         << " kernel launch failed: " << cudaGetErrorString(static_cast<cudaError_t>(rc)));
+    launched();
+    if (nvlink::isCapturing(s)) return;
+    const cudaError_t e = marks_.mark(s);
+    EPCOMM_CHECK(e == cudaSuccess, kCuda,
+                 "rank " << config_.rank << ": recording the " << what
+                         << " kernel's completion event failed: " << cudaGetErrorString(e));
+  }
 
   // What call `a` is packed into: a repeat of the last call of its kind (the same buffers every step) reuses that
   // call's checks and packing and only checks the call order; any other call is checked and packed by `pack` (which
@@ -420,12 +409,14 @@ class NvlinkAllToAll final : public AllToAll {
   void fillCommon(Geometry& g, char** peers, nvlink::DeviceState& st) const {
     g = geo_;
     for (uint32_t r = 0; r < nvlink::kMaxRanks; ++r) peers[r] = peers_[r];
-    st.seq = seq_;
-    st.claimed = claimed_;
-    st.routeArrived = static_cast<uint64_t*>(route_);
-    st.routeScratch = reinterpret_cast<int32_t*>(static_cast<char*>(route_) + 256);
-    st.queues = reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(claimed_) + nvlink::kQueueOffset);
-    st.rowSlots = static_cast<uint64_t*>(rowSlots_);
+    // Round counters u32 [4][B], then the error claim and the work queues (roundCounterBytes).
+    st.seq = static_cast<uint32_t*>(seq_.get());
+    char* counterTail = static_cast<char*>(seq_.get()) + 4 * geo_.blocks * sizeof(uint32_t);
+    st.claimed = reinterpret_cast<int32_t*>(counterTail);
+    st.queues = reinterpret_cast<uint32_t*>(counterTail + nvlink::kQueueOffset);
+    st.routeArrived = static_cast<uint64_t*>(route_.get());
+    st.routeScratch = reinterpret_cast<int32_t*>(static_cast<char*>(route_.get()) + 256);
+    st.rowSlots = static_cast<uint64_t*>(rowSlots_.get());
     st.hostError = hostErrorDev_;
     st.timeoutNs = static_cast<uint64_t>(env().timeoutMs) * 1000000ull;
     st.trace = nullptr;
@@ -442,7 +433,7 @@ class NvlinkAllToAll final : public AllToAll {
   // Reads the host-mapped error record (no synchronisation). Once an error was seen the object refuses all use.
   void checkUsable() {
     if (failed_.empty()) {
-      const volatile nvlink::ErrorRecord* r = hostError_;
+      const volatile nvlink::ErrorRecord* r = static_cast<const nvlink::ErrorRecord*>(hostError_.get());
       const int32_t code = r->code;
       if (code == 0) return;
       std::atomic_thread_fence(std::memory_order_acquire);
@@ -467,15 +458,14 @@ class NvlinkAllToAll final : public AllToAll {
   Bootstrap& bootstrap_;
   int device_ = -1;
   Geometry geo_{};
-  void* region_ = nullptr;
-  uint32_t* seq_ = nullptr;
-  void* route_ = nullptr;
-  void* rowSlots_ = nullptr;  // DeviceState::rowSlots
-  int32_t* claimed_ = nullptr;
-  nvlink::ErrorRecord* hostError_ = nullptr;
+  nvlink::DeviceMemory region_;     // this rank's peer-mapped region (Geometry)
+  nvlink::DeviceMemory seq_;        // round counters, error claim, work queues (roundCounterBytes)
+  nvlink::DeviceMemory route_;      // routing blocks' arrival counter and histograms (routeScratchBytes)
+  nvlink::DeviceMemory rowSlots_;   // DeviceState::rowSlots
+  nvlink::PinnedMemory hostError_;  // nvlink::ErrorRecord, host-mapped
   nvlink::ErrorRecord* hostErrorDev_ = nullptr;
-  std::vector<char*> peers_;
-  std::vector<void*> opened_;
+  std::vector<nvlink::IpcMapping> peerMaps_;  // the other ranks' regions, mapped here
+  std::vector<char*> peers_;                  // every rank's region by rank (kMaxRanks entries; ours is region_)
   int partialType_ = -1;
   /// Dispatch and combine alternate. A dispatch may not repeat without a combine: its send half would overwrite the
   /// peers' staging and routes while they may still be reading the last round's (the combine is the barrier).
@@ -483,7 +473,7 @@ class NvlinkAllToAll final : public AllToAll {
   uint32_t dispatchedM_ = 0;  // m of the last dispatch send half (combine's weights must cover it)
   /// The last call of each kind (callSlot) and what its arguments were checked and packed into: an engine calls with
   /// the same buffers every step, and a repeat then skips the checks and the packing (host time inside an eager
-  /// call, which delays the kernel's start: docs/nvlink.md, twenty-second pass).
+  /// call, which delays the kernel's start: docs/nvlink.md).
   struct PackedDispatch {
     bool valid = false;
     DispatchArgs args;
@@ -503,6 +493,7 @@ class NvlinkAllToAll final : public AllToAll {
   /// Eager launches through cached graphs (EPCOMM_NVLINK_GRAPH_LAUNCH; off while tracing: the trace slot changes the
   /// arguments every call).
   std::unique_ptr<nvlink::GraphLaunchCache> launches_;
+  nvlink::LaunchMarks marks_;  // the object's outstanding work, per stream (synchronize, destructor)
   std::string failed_;
   ErrorCode failedCode_ = ErrorCode::kInternal;
 };
@@ -536,17 +527,12 @@ std::vector<PlannedBuffer> planNvlink(const Config& config) {
     plan.push_back(PlannedBuffer{"nvlink", name, memory, bytes, note});
   };
   add("flags", "device (peer-mapped)", g.offNumTokens - g.offFlags, "u64 [2][W] monotone counters");
-  add("routing counts", "device (peer-mapped)", g.offRoute - g.offNumTokens,
-      g.lines ? "u64 [W] token counts (tagged)" : "u64 [W] + u64 [W][L] (tagged)");
-  if (!g.lines) {
-    add("routing entries", "device (peer-mapped)", g.offRawIdx - g.offRoute,
-        "tagged {le, pos} [W=" + std::to_string(W) + "][K/2=" + std::to_string((K + 1) / 2) +
-            "][Ts=" + std::to_string(Ts) + "][2]");
-  }
-  if (g.lines) add("line-mode indices", "device (peer-mapped)", g.offPayload - g.offRawIdx, "u64 [W][Ts][K] (tagged)");
+  add("routing counts", "device (peer-mapped)", g.offRoute - g.offNumTokens, "u64 [W] + u64 [W][L] (tagged)");
+  add("routing entries", "device (peer-mapped)", g.offPayload - g.offRoute,
+      "tagged {le, pos} [W=" + std::to_string(W) + "][K/2=" + std::to_string((K + 1) / 2) +
+          "][Ts=" + std::to_string(Ts) + "][2]");
   add("dispatch staging", "device (peer-mapped)", g.offWeights - g.offPayload,
-      "[W][Ts][" + std::to_string(g.slotBytes) + " B: payload + scales" +
-          (g.lines ? ", as " + std::to_string(g.linesPerSlot) + " tagged 128-byte lines]" : "]"));
+      "[W][Ts][" + std::to_string(g.slotBytes) + " B: payload + scales]");
   add("combine weights", "device (peer-mapped)", g.offPartials - g.offWeights, "u64 [W][Ts][K] (f32 + round tag)");
   add("combine partials", "device (peer-mapped)", g.totalBytes - g.offPartials,
       "[W][T=" + std::to_string(config.maxNumTokens) + "][H*4 B]");

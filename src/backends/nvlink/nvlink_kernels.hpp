@@ -39,9 +39,7 @@ constexpr int kTracePhases = 16;
 /// weights pushed (routing blocks), kTrRoutesIn = every rank entered, kTrRows = row tables, kTrStored = partials
 /// stored, kTrSignalled = done signalled, kTrPeersIn = every partial arrived, kTrExit. Inside the routing pass (last
 /// pass of the block): kTrRouteSetup = shared tables cleared, kTrRouteMarked = indices loaded and marked,
-/// kTrRouteScanned = per-warp bases summed, kTrRouteEmitted = entries stored into every receiver. Line mode's dispatch
-/// (computeLineTables): kTrRouted = the expanders' indices sent, kTrPeersIn = every token count in, kTrRoutesIn =
-/// every index in and marked, kTrRows = tables built.
+/// kTrRouteScanned = per-warp bases summed, kTrRouteEmitted = entries stored into every receiver.
 enum TracePhase : int {
   kTrEntry = 0,
   kTrRouted = 1,

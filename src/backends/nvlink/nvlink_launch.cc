@@ -25,12 +25,7 @@ uint64_t hashArgs(const KernelLaunch& l, const void* args, size_t bytes) {
 
 }  // namespace
 
-GraphLaunchCache::~GraphLaunchCache() {
-  // An executable graph still in flight is freed when it completes.
-  for (Entry& e : entries_) cudaGraphExecDestroy(e.exec);
-}
-
-cudaGraphExec_t GraphLaunchCache::instantiate(const KernelLaunch& l, const void* args) {
+GraphExec GraphLaunchCache::instantiate(const KernelLaunch& l, const void* args) {
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   cudaKernelNodeParams p{};
@@ -50,9 +45,9 @@ cudaGraphExec_t GraphLaunchCache::instantiate(const KernelLaunch& l, const void*
     EPCOMM_LOG(kWarn, "nvlink: a cached launch graph could not be made ("
                           << cudaGetErrorString(e) << "); launching kernels plainly from now on");
     enabled_ = false;
-    return nullptr;
+    return GraphExec();
   }
-  return exec;
+  return GraphExec(exec);
 }
 
 bool GraphLaunchCache::matches(const Entry& e, const KernelLaunch& l, const void* args, size_t bytes) {
@@ -69,16 +64,12 @@ int GraphLaunchCache::launchEntry(size_t i, cudaStream_t stream) {
     if (carry == i) break;
   }
   ++graphLaunches_;
-  return static_cast<int>(cudaGraphLaunch(entries_[i].exec, stream));
+  return static_cast<int>(cudaGraphLaunch(entries_[i].exec.get(), stream));
 }
 
 int GraphLaunchCache::launch(const KernelLaunch& l, const void* args, size_t bytes, cudaStream_t stream) {
   if (!enabled_) return launchKernel(l, args, stream);
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
-    cudaGetLastError();
-    return launchKernel(l, args, stream);
-  }
+  if (isCapturing(stream)) return launchKernel(l, args, stream);
   ++clock_;
   for (size_t i : recent_) {
     if (i != kNone && matches(entries_[i], l, args, bytes)) return launchEntry(i, stream);
@@ -92,17 +83,16 @@ int GraphLaunchCache::launch(const KernelLaunch& l, const void* args, size_t byt
     seen_[seenNext_++ % kSeen] = h;
     return launchKernel(l, args, stream);
   }
-  cudaGraphExec_t exec = instantiate(l, args);
-  if (exec == nullptr) return launchKernel(l, args, stream);
+  GraphExec exec = instantiate(l, args);
+  if (!exec) return launchKernel(l, args, stream);
   if (entries_.size() == kEntries) {
     auto lru = std::min_element(entries_.begin(), entries_.end(),
                                 [](const Entry& a, const Entry& b) { return a.lastUse < b.lastUse; });
-    cudaGraphExecDestroy(lru->exec);
     entries_.erase(lru);
     recent_.fill(kNone);  // the indices after the erased entry moved
   }
   const unsigned char* p = static_cast<const unsigned char*>(args);
-  entries_.push_back(Entry{h, l.fn, l.smemBytes, std::vector<unsigned char>(p, p + bytes), exec, clock_});
+  entries_.push_back(Entry{h, l.fn, l.smemBytes, std::vector<unsigned char>(p, p + bytes), std::move(exec), clock_});
   return launchEntry(entries_.size() - 1, stream);
 }
 

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "backends/nvlink/nvlink_cuda.hpp"
 #include "backends/nvlink/nvlink_kernels.hpp"
 
 namespace epcomm {
@@ -16,12 +17,11 @@ namespace nvlink {
 /// A call whose kernel and argument bytes repeat (an engine calling with the same buffers every step) is launched as
 /// a one-node executable graph made at the second sighting. On 2x H200 that took the host time inside an eager call
 /// from 5.2-7.1 to 2.1-3.5 us and decode T = 128 from 21.8-22.2 / 24.0-24.2 to 18.4-19.6 / 20.6-21.2 us (dispatch /
-/// combine; docs/nvlink.md, ninth pass). Anything else, and every call on a capturing stream (the caller's own graph
-/// then records a plain kernel node), launches plainly. Per object, not thread-safe (like the object).
+/// combine; docs/nvlink.md). Anything else, and every call on a capturing stream (the caller's own graph then
+/// records a plain kernel node), launches plainly. Per object, not thread-safe (like the object).
 class GraphLaunchCache {
  public:
   explicit GraphLaunchCache(bool enabled) : enabled_(enabled), seen_(kSeen, ~0ull) { recent_.fill(kNone); }
-  ~GraphLaunchCache();
   GraphLaunchCache(const GraphLaunchCache&) = delete;
   GraphLaunchCache& operator=(const GraphLaunchCache&) = delete;
 
@@ -38,12 +38,12 @@ class GraphLaunchCache {
     const void* fn;
     uint32_t smemBytes;
     std::vector<unsigned char> args;
-    cudaGraphExec_t exec;
+    GraphExec exec;  // an executable graph still in flight when destroyed is freed once it completes
     uint64_t lastUse;
   };
   static constexpr size_t kRecent = 4;  // entries of the last launches, newest first
   static constexpr size_t kNone = ~size_t{0};
-  cudaGraphExec_t instantiate(const KernelLaunch& l, const void* args);
+  GraphExec instantiate(const KernelLaunch& l, const void* args);
   static bool matches(const Entry& e, const KernelLaunch& l, const void* args, size_t bytes);
   int launchEntry(size_t i, cudaStream_t stream);
 

@@ -55,12 +55,8 @@ EPCOMM_HD RouteEntry unpackEntry(uint32_t v) {
 ///   counts      u64 [W][L]              tokens sender s routed to each local expert, tagWord(send round, count)
 ///   route       u64 [W][K/2][Ts][2]     per sent token: its K entries as seen from this rank (see routeIndex),
 ///                                       tagWord(send round, packEntry(entry)); all three polled by the receivers
-///                                       (counts and route: plain slots only, empty in line mode)
-///   rawIdx      u64 [W][Ts][K]          line mode: the sender's expert indices, tagWord(send round, index or
-///                                       0xFFFFFFFF); each receiver ranks the tokens itself (computeLineTables)
-///   payload     u8 [W][Ts][slotBytes]   token bytes then scales (line mode: as tagged lines), slot = token
-///                                       index / D (pull: a sender stages its own tokens in slots [rank][*] of
-///                                       its own region, read by receivers)
+///   payload     u8 [W][Ts][slotBytes]   token bytes then scales, slot = token index / D (pull: a sender stages
+///                                       its own tokens in slots [rank][*] of its own region, read by receivers)
 ///   weights     u64 [W][Ts][K]          router weights pushed by the token's sender at combine start, each
 ///                                       tagged with the sender's combine round (round << 32 | f32 bits)
 ///   partials    u8 [W][T][partialBytes] per expert rank e: sum over e's experts of w * y for token t
@@ -79,23 +75,12 @@ struct Geometry {
   uint32_t routeChunk;      ///< tokens per routing block, a multiple of threads
   uint32_t pull;            ///< 1: a sender stages its tokens in its own region and receivers read them over NVLink
   uint32_t pushQuarters;    ///< pull mode: slots j with j % 4 < pushQuarters are pushed into the receivers anyway
-                            ///< (0-4; 0 in push mode)
-  uint32_t lines;           ///< 1: line mode (push mode only, see makeGeometry): slots hold tagged 128-byte lines
-  uint32_t linesPerSlot;    ///< line mode: 16-byte chunks of a token's stream / 7, rounded up
-  uint64_t offFlags, offNumTokens, offCounts, offRoute, offRawIdx, offPayload, offWeights, offPartials, totalBytes;
+                            ///< (kPushQuarters; 0 in push mode)
+  uint64_t offFlags, offNumTokens, offCounts, offRoute, offPayload, offWeights, offPartials, totalBytes;
 };
 
 /// Warps per block of g's kernels.
 EPCOMM_HD uint32_t blockWarps(const Geometry& g) { return g.threads / 32; }
-
-/// Line mode (after NCCL's LL128): a slot is a run of 128-byte lines, each 112 bytes (seven 16-byte chunks) of the
-/// token's stream (its payload bytes, then its scale words) and 16 bytes holding the sender's round. A warp stores a
-/// line as 8 lanes x 16 bytes in one instruction and a receiver reads it the same way; once the tag carries the
-/// round, the line's data is there too, with no fence and no flag between them (measured on 2x H200:
-/// `nvlink-line-probe`, docs/nvlink.md). 112 rather than NCCL's 120 data bytes keeps every chunk 16-byte aligned in
-/// the rows, so the receivers copy with whole-vector stores.
-constexpr uint32_t kLineBytes = 128;
-constexpr uint32_t kLineData = 112;
 
 EPCOMM_HD uint64_t align256(uint64_t x) { return roundUpPow2(x, 256); }
 
@@ -140,12 +125,6 @@ EPCOMM_HD uint64_t routeIndex(uint32_t K, uint32_t Ts, uint32_t s, uint32_t j, u
   return ((static_cast<uint64_t>(s) * pairs + k / 2) * Ts + j) * 2 + (k & 1);
 }
 
-/// Line mode: lines per work unit (a warp moves 4 lines per instruction, 4 instructions per unit) and units per token.
-constexpr uint32_t kLinesPerUnit = 16;
-EPCOMM_HD uint32_t linePieces(const Geometry& g) {
-  return static_cast<uint32_t>(ceilDiv(g.linesPerSlot, kLinesPerUnit));
-}
-
 /// The fused dispatch's own-token blocks: about (B - R) / W, the own tokens' share of the expansion (at least one).
 EPCOMM_HD uint32_t fusedOwnBlocks(const Geometry& g) {
   if (g.blocks <= g.routeBlocks) return 0;
@@ -160,11 +139,11 @@ EPCOMM_HD bool fusedRolesFit(const Geometry& g) {
   return g.blocks >= g.routeBlocks + 2 || (g.worldSize == 1 && g.blocks >= g.routeBlocks + 1);
 }
 
-/// Plain slots: 16-byte vectors per lane held in registers by one copy step (8 x 16 B x 32 lanes = 4 KiB in flight
+/// 16-byte vectors per lane held in registers by one copy step (8 x 16 B x 32 lanes = 4 KiB in flight
 /// per warp).
 constexpr int kUnroll = 8;
 
-/// Plain slots: 16-byte vectors per lane in one work unit of dispatchPayload and expandTokens: kUnroll (4 KiB per
+/// 16-byte vectors per lane in one work unit of dispatchPayload and expandTokens: kUnroll (4 KiB per
 /// warp), or half of that when a full batch at kUnroll has fewer units than the kernel has warps (decode: 7 KB tokens
 /// were 2 units, so 128 tokens kept only half the own-token blocks' warps busy, each storing ~4 rows of 4 KiB).
 EPCOMM_HD uint32_t unitVectors(const Geometry& g) {
@@ -174,8 +153,7 @@ EPCOMM_HD uint32_t unitVectors(const Geometry& g) {
              : kUnroll;
 }
 
-/// Plain slots: work units per token of dispatchPayload and expandTokens (pieces of 32 lanes x unitVectors(g)
-/// 16-byte vectors; line mode's are linePieces()).
+/// Work units per token of dispatchPayload and expandTokens (pieces of 32 lanes x unitVectors(g) 16-byte vectors).
 EPCOMM_HD uint32_t tokenPieces(const Geometry& g) {
   const uint32_t units = g.hiddenBytes / 16;
   return units == 0 ? 1 : static_cast<uint32_t>(ceilDiv(units, 32 * unitVectors(g)));
@@ -195,19 +173,17 @@ EPCOMM_HD bool manyUnitsPerWarp(const Geometry& g, uint64_t tokens, uint32_t blo
 }
 
 /// The fused dispatch kernels, each holding one mode's code only: instruction fetch bounded the dispatch while one
-/// kernel held every mode (377 KB of SASS; docs/nvlink.md, fourteenth and fifteenth passes).
+/// kernel held every mode (377 KB of SASS; docs/nvlink.md).
 enum FusedKind : int {
-  kFusedAny = 0,    ///< every path: push on dynamic schedules, and the send and receive paths in turn when the
-                    ///< roles do not fit (fusedRolesFit)
-  kFusedPush = 1,   ///< push mode, every expansion on static shares (decode-sized)
-  kFusedPull = 2,   ///< pull mode (prefill-sized), expansions on dynamic schedules
-  kFusedLines = 3,  ///< line mode
+  kFusedAny = 0,   ///< every path: push on dynamic schedules, and the send and receive paths in turn when the
+                   ///< roles do not fit (fusedRolesFit)
+  kFusedPush = 1,  ///< push mode, every expansion on static shares (decode-sized)
+  kFusedPull = 2,  ///< pull mode (prefill-sized), expansions on dynamic schedules
 };
 
 /// The fused dispatch kernel for `g`.
 EPCOMM_HD int fusedDispatchKind(const Geometry& g) {
   if (!fusedRolesFit(g)) return kFusedAny;
-  if (g.lines != 0) return kFusedLines;
   if (g.pull != 0) return kFusedPull;
   // Push: static shares when the own-token blocks never join the peers' expansion (the peers send at most
   // (W - 1) x Ts tokens).
@@ -216,39 +192,16 @@ EPCOMM_HD int fusedDispatchKind(const Geometry& g) {
   return joins ? kFusedAny : kFusedPush;
 }
 
-/// Line mode's lean split of the fused dispatch (fusedDispatchLines), or 0 when the batch is too large for it: P
-/// payload blocks, enough for `per` work units per warp of a sender's Ts tokens, and when the other B - R - P blocks
-/// (the expanders) have a warp for every `per` units of every sender's tokens, W x Ts x linePieces, they expand all of
-/// them and the payload blocks end after their stores. `per` is 1 where that fits, else up to kLeanUnitsPerWarp
-/// (decode T = 128 on 2 GPUs: 20 payload and 45 expander blocks, forced line mode 17.8-19.1 us against 21.8 with the
-/// general split; docs/nvlink.md, twenty-first pass). g.linesPerSlot must be set.
-constexpr uint32_t kLeanUnitsPerWarp = 2;
-EPCOMM_HD uint32_t leanLinePayloadBlocks(const Geometry& g) {
-  const uint64_t units = static_cast<uint64_t>(g.slotsPerSender) * linePieces(g);
-  if (g.blocks < g.routeBlocks + 2) return 0;
-  for (uint64_t per = 1; per <= kLeanUnitsPerWarp; ++per) {
-    uint64_t p = ceilDiv(units, blockWarps(g) * per);
-    if (p < 1) p = 1;
-    if (p > g.blocks - g.routeBlocks - 1) p = g.blocks - g.routeBlocks - 1;
-    const uint64_t expanderWarps = (g.blocks - g.routeBlocks - p) * static_cast<uint64_t>(blockWarps(g));
-    if (units * g.worldSize <= expanderWarps * per) return static_cast<uint32_t>(p);
-  }
-  return 0;
-}
+/// Pull mode's pushed share: slots j with j % 4 < kPushQuarters cross NVLink while the rest is staged locally, which
+/// the link would otherwise wait for (prefill T = 4096 on 2x H200: dispatch 124.5 us against 144.5 with no slot pushed
+/// and 141.1 with half of them; docs/nvlink.md).
+constexpr uint32_t kPushQuarters = 1;
 
-/// Fills a Geometry for `config` with `blocks` blocks per kernel. `pullMode`: 1 pull, 0 push, -1 automatic: pull
-/// when a sender's batch has at least one 4 KiB work unit per warp of the kernel (prefill), where the receivers'
-/// expansion of the peers' tokens would otherwise start only after the whole NVLink copy landed; push for small
-/// batches (decode), where the copy is short and a read over NVLink would add its latency to every unit.
-/// `pushQuarters` (pull mode): quarters of every sender's slots pushed all the same, -1 automatic (1): they cross
-/// NVLink while the rest is staged locally, which the link would otherwise wait for. Values above 4 clamp to 4 here;
-/// EPCOMM_NVLINK_PUSH_QUARTERS outside [-1, 4] is already an error when the environment is read.
-/// `lineMode` (push mode with W > 1 and K <= 32 only): 1 on, 0 off, -1 automatic = off. Lean lines saved 0.6-2 us at
-/// decode T = 1-64 against the general push kernel (session 11), but the fused push dispatch now runs a kernel of
-/// its own (kFusedPush), which is ~1 us faster than lines at decode T = 1-32 and ~2 us at T = 128 with the lean split
-/// at two units per warp (docs/nvlink.md, fourteenth, fifteenth and twenty-first passes).
-inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1, int pushQuarters = -1,
-                             int lineMode = -1, uint32_t threads = kMaxThreads) {
+/// Fills a Geometry for `config` with `blocks` blocks of `threads` threads per kernel. Pull mode when W > 1 and a
+/// sender's batch has at least one 4 KiB work unit per warp of the kernel (prefill), where the receivers' expansion of
+/// the peers' tokens would otherwise start only after the whole NVLink copy landed; push for small batches (decode),
+/// where the copy is short and a read over NVLink would add its latency to every unit.
+inline Geometry makeGeometry(const Config& c, uint32_t blocks, uint32_t threads = kMaxThreads) {
   Geometry g{};
   g.threads = threads;
   g.worldSize = c.worldSize;
@@ -272,30 +225,18 @@ inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1
   g.routeBlocks = static_cast<uint32_t>(passes < maxRoute ? passes : maxRoute);
   g.routeChunk = static_cast<uint32_t>(ceilDiv(passes, g.routeBlocks) * threads);
   const uint64_t fullUnits = ceilDiv(c.hiddenDimBytes > 0 ? c.hiddenDimBytes : 1, 4096) * g.slotsPerSender;
-  const bool pull = pullMode >= 0 ? pullMode != 0 : fullUnits >= static_cast<uint64_t>(blocks) * blockWarps(g);
-  g.pull = c.worldSize > 1 && pull ? 1 : 0;
-  g.pushQuarters = g.pull ? static_cast<uint32_t>(pushQuarters < 0 ? 1 : pushQuarters > 4 ? 4 : pushQuarters) : 0;
+  g.pull = c.worldSize > 1 && fullUnits >= static_cast<uint64_t>(blocks) * blockWarps(g) ? 1 : 0;
+  g.pushQuarters = g.pull ? kPushQuarters : 0;
   const uint64_t W = c.worldSize, Ts = g.slotsPerSender, K = c.expertsPerToken;
-  const bool linesPossible = c.worldSize > 1 && g.pull == 0 && K <= 32;
-  g.linesPerSlot = static_cast<uint32_t>(ceilDiv(roundUpPow2(c.hiddenDimBytes + c.hiddenDimScaleBytes, 16), kLineData));
-  g.lines = linesPossible && lineMode > 0 ? 1 : 0;
-  if (g.lines) {
-    g.slotBytes = g.linesPerSlot * kLineBytes;
-  } else {
-    g.linesPerSlot = 0;
-  }
   uint64_t off = 0;
   g.offFlags = off;
   off = align256(off + kNumFlags * W * sizeof(uint64_t));
   g.offNumTokens = off;
   off = align256(off + W * sizeof(uint64_t));
-  // Line mode's receivers rank the tokens themselves from the raw indices: no counts, no routing entries.
   g.offCounts = off;
-  off = align256(off + (g.lines ? 0 : W * g.numLocalExperts * sizeof(uint64_t)));
+  off = align256(off + W * g.numLocalExperts * sizeof(uint64_t));
   g.offRoute = off;
-  off = align256(off + (g.lines ? 0 : W * Ts * roundUpPow2(K, 2) * sizeof(uint64_t)));
-  g.offRawIdx = off;
-  off = align256(off + (g.lines ? W * Ts * K * sizeof(uint64_t) : 0));
+  off = align256(off + W * Ts * roundUpPow2(K, 2) * sizeof(uint64_t));
   g.offPayload = off;
   off = align256(off + W * Ts * g.slotBytes);
   g.offWeights = off;
@@ -310,7 +251,7 @@ inline Geometry makeGeometry(const Config& c, uint32_t blocks, int pullMode = -1
 /// 256 bytes whose first word is the error claim and whose bytes [kQueueOffset, kQueueOffset + 8 kQueues) are the
 /// work queues u32 [kQueues][2], and the routing blocks' arrival counter (256 bytes) followed by their histograms
 /// i32 [R][E].
-constexpr uint32_t kQueues = 3;
+constexpr uint32_t kQueues = 2;
 constexpr uint32_t kQueueOffset = 64;
 static_assert(kQueueOffset + kQueues * 2 * sizeof(uint32_t) <= 256, "work queues must fit the counters' tail");
 inline uint64_t roundCounterBytes(const Geometry& g) { return 4ull * g.blocks * sizeof(uint32_t) + 256; }
@@ -327,26 +268,16 @@ inline uint64_t rowSlotBytes(const Geometry& g) {
 constexpr uint64_t kNoRowSlot = ~0ull;
 EPCOMM_HD uint64_t rowSlot(uint32_t le, uint32_t row) { return static_cast<uint64_t>(le) << 32 | row; }
 
-/// Line mode: the receivers' tables (computeLineTables), i32 words: first token of each sender [W + 1], expert totals
-/// and first rows [2][L], per 32 tokens and expert the tokens' bits and the rows before them [2][ceil(W Ts / 32)][L],
-/// per routing entry its local expert [W Ts K].
-inline uint64_t lineTableBytes(const Geometry& g) {
-  const uint64_t W = g.worldSize, L = g.numLocalExperts, Ts = g.slotsPerSender;
-  return (W + 1 + 2 * L + 2 * ceilDiv(W * Ts, 32) * L + W * Ts * g.topK) * 4;
-}
-
 /// The receivers' row tables (RowTables: sender bases [W][L], totals and first rows [2][L], token counts [W]), i32
 /// words.
 EPCOMM_HD uint32_t rowTableWords(const Geometry& g) { return (g.worldSize + 2) * g.numLocalExperts + g.worldSize; }
 
 /// Dynamic shared memory of every nvlink kernel: the sender's routing scan (bits and bases per warp per expert,
-/// running counts), the receiver's row bases or (line mode) its line tables, whichever is largest.
+/// running counts) or the receiver's row tables, whichever is larger.
 inline uint32_t sharedBytes(const Geometry& g) {
   const uint64_t scan = (2ull * blockWarps(g) + 1) * g.numExperts * 4;
   const uint64_t rows = (rowTableWords(g) + 1) * 4;  // + the hand-off word of the fused dispatch's own blocks
-  uint64_t most = scan > rows ? scan : rows;
-  if (g.lines && lineTableBytes(g) > most) most = lineTableBytes(g);
-  return static_cast<uint32_t>(most);
+  return static_cast<uint32_t>(scan > rows ? scan : rows);
 }
 
 /// Error record in host-mapped pinned memory, written by a kernel that timed out or saw a bad index; the host reads

@@ -28,34 +28,31 @@ double median(std::vector<double> v) {
 
 }  // namespace
 
-PhaseTrace::~PhaseTrace() {
-  if (dev_ != nullptr) cudaFree(dev_);
-}
-
-void PhaseTrace::enable(uint32_t blocks, bool perBlock) {
+void PhaseTrace::enable(uint32_t blocks, bool perBlock, cudaStream_t stream) {
   blocks_ = blocks;
   perBlock_ = perBlock;
   const size_t bytes = static_cast<size_t>(kSlots) * blocks * kTracePhases * sizeof(uint64_t);
-  cudaError_t e = cudaMalloc(&dev_, bytes);
-  if (e == cudaSuccess) e = cudaMemset(dev_, 0, bytes);
+  void* p = nullptr;
+  cudaError_t e = cudaMalloc(&p, bytes);
+  dev_ = DeviceMemory(p);
+  if (e == cudaSuccess) e = cudaMemsetAsync(p, 0, bytes, stream);
   EPCOMM_CHECK(e == cudaSuccess, kCuda,
                "EPCOMM_NVLINK_TRACE: cannot allocate " << bytes << " B of trace slots: " << cudaGetErrorString(e));
   slotKind_.assign(kSlots, -1);
 }
 
 uint64_t* PhaseTrace::next(Kind kind, bool send, bool recv) {
-  if (dev_ == nullptr) return nullptr;
+  if (!dev_) return nullptr;
   const int k = kind + (send && recv ? 0 : send ? 1 : 2);
   const uint32_t slot = static_cast<uint32_t>(launches_++ % kSlots);
   slotKind_[slot] = k;
-  return dev_ + static_cast<size_t>(slot) * blocks_ * kTracePhases;
+  return static_cast<uint64_t*>(dev_.get()) + static_cast<size_t>(slot) * blocks_ * kTracePhases;
 }
 
 std::string PhaseTrace::summary(int rank) {
-  if (dev_ == nullptr || launches_ == 0) return {};
+  if (!dev_ || launches_ == 0) return {};
   std::vector<uint64_t> host(static_cast<size_t>(kSlots) * blocks_ * kTracePhases);
-  if (cudaDeviceSynchronize() != cudaSuccess ||
-      cudaMemcpy(host.data(), dev_, host.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost) != cudaSuccess) {
+  if (cudaMemcpy(host.data(), dev_.get(), host.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost) != cudaSuccess) {
     cudaGetLastError();
     return "nvlink trace: cannot read the trace slots\n";
   }

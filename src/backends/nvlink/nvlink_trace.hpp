@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "backends/nvlink/nvlink_cuda.hpp"
+
 namespace epcomm {
 namespace nvlink {
 
@@ -18,22 +20,23 @@ class PhaseTrace {
   PhaseTrace() = default;
   PhaseTrace(const PhaseTrace&) = delete;
   PhaseTrace& operator=(const PhaseTrace&) = delete;
-  ~PhaseTrace();
 
-  /// Allocates the slots (device memory) for kernels of `blocks` blocks; throws Error(kCuda) on failure.
-  /// `perBlock`: the summary also lists every block's median stamps of the fused dispatch (EPCOMM_NVLINK_TRACE=2).
-  void enable(uint32_t blocks, bool perBlock = false);
-  bool enabled() const { return dev_ != nullptr; }
+  /// Allocates the slots (device memory) for kernels of `blocks` blocks and zeroes them on `stream`, which the caller
+  /// synchronises before the first launch; throws Error(kCuda) on failure. `perBlock`: the summary also lists every
+  /// block's median stamps of the fused dispatch (EPCOMM_NVLINK_TRACE=2).
+  void enable(uint32_t blocks, bool perBlock, cudaStream_t stream);
+  bool enabled() const { return static_cast<bool>(dev_); }
   /// The stamps pointer for the next launch of `kind` (null when disabled).
   uint64_t* next(Kind kind, bool send, bool recv);
-  /// Synchronizes the device, reads every slot and formats the table (empty when disabled or nothing launched).
+  /// Reads every slot and formats the table (empty when disabled or nothing launched). The caller first waits for the
+  /// kernels that wrote them.
   std::string summary(int rank);
 
  private:
   static constexpr uint32_t kSlots = 1024;
   uint32_t blocks_ = 0;
   bool perBlock_ = false;
-  uint64_t* dev_ = nullptr;
+  DeviceMemory dev_;  // u64 [kSlots][blocks][kTracePhases]
   std::vector<int> slotKind_;
   uint64_t launches_ = 0;
 };

@@ -21,16 +21,14 @@ Config make(uint32_t tokens, uint32_t world, uint32_t k, uint32_t dp = 1) {
 }
 
 TEST(NvlinkLayout, PullOnlyForLargeBatchesOnSeveralRanks) {
-  // Automatic: decode (128 tokens of 7 KB: 256 units of 4 KiB) pushes on 66 blocks (1056 warps); prefill (4096 tokens:
-  // 8192 units) pulls on 132 blocks; one rank never pulls.
+  // Decode (128 tokens of 7 KB: 256 units of 4 KiB) pushes on 66 blocks (1056 warps); prefill (4096 tokens: 8192
+  // units) pulls on 132 blocks; one rank never pulls. The bound: pull from one unit per warp on.
   EXPECT_EQ(nvlink::makeGeometry(make(128, 2, 8), 66).pull, 0u);
   EXPECT_EQ(nvlink::makeGeometry(make(512, 2, 8), 66).pull, 0u);
   EXPECT_EQ(nvlink::makeGeometry(make(4096, 2, 8), 132).pull, 1u);
   EXPECT_EQ(nvlink::makeGeometry(make(4096, 1, 8), 132).pull, 0u);
-  // EPCOMM_NVLINK_PULL forces either mode (W > 1).
-  EXPECT_EQ(nvlink::makeGeometry(make(128, 2, 8), 66, 1).pull, 1u);
-  EXPECT_EQ(nvlink::makeGeometry(make(4096, 2, 8), 132, 0).pull, 0u);
-  EXPECT_EQ(nvlink::makeGeometry(make(128, 1, 8), 66, 1).pull, 0u);
+  EXPECT_EQ(nvlink::makeGeometry(make(527, 2, 8), 66).pull, 0u);  // 527 x 2 units < 66 x 16 warps
+  EXPECT_EQ(nvlink::makeGeometry(make(528, 2, 8), 66).pull, 1u);
 }
 
 // The fused dispatch's roles: (B - R) / W own-token blocks (at least one), and room for them only with a payload block
@@ -46,76 +44,34 @@ TEST(NvlinkLayout, FusedDispatchRoles) {
   EXPECT_TRUE(nvlink::fusedRolesFit(nvlink::makeGeometry(make(32, 1, 8), 2)));  // one rank needs no payload block
 }
 
-// One fused dispatch kernel per mode: push (static shares) at decode, pull at prefill, lines when on; the kernel that
-// takes every path when prefill is forced to push (the own-token blocks join the peers' expansion) or the roles do not
-// fit.
+// One fused dispatch kernel per mode: push (static shares) at decode, pull at prefill; the kernel that takes every path
+// when a push round is large enough for the own-token blocks to join the peers' expansion (many ranks), or when the
+// roles do not fit.
 TEST(NvlinkLayout, FusedDispatchKindPerMode) {
   EXPECT_EQ(nvlink::fusedDispatchKind(nvlink::makeGeometry(make(128, 2, 8), 66)), nvlink::kFusedPush);
   EXPECT_EQ(nvlink::fusedDispatchKind(nvlink::makeGeometry(make(512, 2, 8), 66)), nvlink::kFusedPush);
   EXPECT_EQ(nvlink::fusedDispatchKind(nvlink::makeGeometry(make(128, 1, 8), 66)), nvlink::kFusedPush);
   EXPECT_EQ(nvlink::fusedDispatchKind(nvlink::makeGeometry(make(4096, 2, 8), 132)), nvlink::kFusedPull);
-  EXPECT_EQ(nvlink::fusedDispatchKind(nvlink::makeGeometry(make(4096, 2, 8), 132, 0)), nvlink::kFusedAny);
-  EXPECT_EQ(nvlink::fusedDispatchKind(nvlink::makeGeometry(make(64, 2, 8), 66, -1, -1, 1)), nvlink::kFusedLines);
+  // Eight ranks, 512 tokens each on 66 blocks: push (1024 units < 1056 warps), and the peers' 7 x 512 tokens of 2
+  // units are more than 4 units per warp of the 58 blocks beside the own-token ones.
+  const nvlink::Geometry wide = nvlink::makeGeometry(make(512, 8, 8), 66);
+  EXPECT_EQ(wide.pull, 0u);
+  EXPECT_EQ(nvlink::fusedDispatchKind(wide), nvlink::kFusedAny);
   EXPECT_EQ(nvlink::fusedDispatchKind(nvlink::makeGeometry(make(32, 2, 8), 2)), nvlink::kFusedAny);
 }
 
-// Line mode (push mode, W > 1, K <= 32): only when EPCOMM_NVLINK_LINES=1 (automatic = plain slots, whose small fused
-// kernel is faster); the lean split of the fused dispatch (one expander warp per work unit of every sender's tokens)
-// for small batches. Its slots are whole 128-byte lines of 112 stream bytes each, its raw-index area holds W x Ts x K
-// tagged words, and every kernel's shared memory covers the tables.
-TEST(NvlinkLayout, LineModeForSmallPushes) {
-  const nvlink::Geometry small = nvlink::makeGeometry(make(64, 2, 8), 66, -1, -1, 1);
-  EXPECT_EQ(small.lines, 1u);
-  EXPECT_EQ(small.linesPerSlot, 66u);  // (7168 + 224) / 112
-  EXPECT_EQ(small.slotBytes, 66u * 128u);
-  EXPECT_EQ(nvlink::linePieces(small), 5u);
-  // 64 tokens x 5 units: 20 payload blocks; 2 x 320 units fit the other 45 blocks' 720 warps.
-  EXPECT_EQ(nvlink::leanLinePayloadBlocks(small), 20u);
-  EXPECT_GE(small.offPayload - small.offRawIdx, 2ull * 64 * 8 * 8);
-  EXPECT_GE(nvlink::sharedBytes(small), nvlink::lineTableBytes(small));
-  EXPECT_EQ(small.offRawIdx, small.offCounts);  // no counts, no routing entries: the receivers rank the tokens
-  EXPECT_EQ(nvlink::makeGeometry(make(1, 2, 8), 66).lines, 0u);  // automatic: plain slots
-  EXPECT_EQ(nvlink::makeGeometry(make(32, 2, 8), 66).lines, 0u);
-  EXPECT_EQ(nvlink::makeGeometry(make(1, 2, 8), 66, -1, -1, 1).lines, 1u);
-  // 2 x 480 units do not fit 35 expander blocks one per warp; two per warp they fit 50 blocks (15 payload blocks).
-  EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(96, 2, 8), 66, -1, -1, 1)), 15u);
-  // Decode T = 128: 2 x 640 units, two per warp of 45 expander blocks, 20 payload blocks.
-  EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(128, 2, 8), 66, -1, -1, 1)), 20u);
-  // 2 x 960 units: two per warp would need 60 expander blocks beside the 30 payload blocks.
-  EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(192, 2, 8), 66, -1, -1, 1)), 0u);
-  // Eight ranks: 16 tokens x 5 units need 5 payload blocks, 8 x 80 units fit the other 60 blocks' 960 warps; 24
-  // tokens (8 x 120 units) do not fit 57 blocks' 912 warps one per warp, but fit the 61 blocks beside 4 payload blocks
-  // two per warp.
-  EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(16, 8, 8), 66, -1, -1, 1)), 5u);
-  EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(24, 8, 8), 66, -1, -1, 1)), 4u);
-  EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(64, 8, 8), 66, -1, -1, 1)), 0u);
-  const nvlink::Geometry forced = nvlink::makeGeometry(make(1024, 2, 8), 66, 0, -1, 1);  // forced (push mode)
-  EXPECT_EQ(forced.lines, 1u);
-  EXPECT_EQ(nvlink::leanLinePayloadBlocks(forced), 0u);  // the fused kernel splits its roles as in plain mode
-  EXPECT_GE(nvlink::sharedBytes(forced), nvlink::lineTableBytes(forced));
-  EXPECT_EQ(nvlink::makeGeometry(make(4096, 2, 8), 132, -1, -1, 1).lines, 0u);                       // pull mode
-  EXPECT_EQ(nvlink::makeGeometry(make(32, 1, 8), 66, -1, -1, 1).lines, 0u);                          // one rank
-  EXPECT_EQ(nvlink::makeGeometry(make(32, 2, 33), 66, -1, -1, 1).lines, 0u);                         // K > 32
-  EXPECT_EQ(nvlink::leanLinePayloadBlocks(nvlink::makeGeometry(make(32, 2, 8), 2, -1, -1, 1)), 0u);  // no room
-  const nvlink::Geometry off = nvlink::makeGeometry(make(32, 2, 8), 66, -1, -1, 0);
-  EXPECT_EQ(off.lines, 0u);
-  EXPECT_EQ(off.slotBytes, 7168u + 224u);
-  EXPECT_EQ(off.offPayload, off.offRawIdx);  // no raw-index area
-}
-
-// Pull mode pushes a share of every sender's slots all the same (slots j % 4 < pushQuarters; automatic: 1); push mode
-// pushes every slot. The slot filters split a sender's n slots into the pushed and the pulled ones, each exactly
-// once and in ascending order, for every n and share.
+// Pull mode pushes a share of every sender's slots all the same (slots j % 4 < kPushQuarters); push mode pushes every
+// slot. The slot filters split a sender's n slots into the pushed and the pulled ones, each exactly once and in
+// ascending order, for every n and any share.
 TEST(NvlinkLayout, PullModePushesAShareOfTheSlots) {
-  EXPECT_EQ(nvlink::makeGeometry(make(4096, 2, 8), 132).pushQuarters, 1u);
-  EXPECT_EQ(nvlink::makeGeometry(make(4096, 2, 8), 132, -1, 3).pushQuarters, 3u);
-  EXPECT_EQ(nvlink::makeGeometry(make(4096, 2, 8), 132, -1, 9).pushQuarters, 4u);
+  EXPECT_EQ(nvlink::makeGeometry(make(4096, 2, 8), 132).pushQuarters, nvlink::kPushQuarters);
   EXPECT_EQ(nvlink::makeGeometry(make(128, 2, 8), 66).pushQuarters, 0u);
   const nvlink::Geometry push = nvlink::makeGeometry(make(128, 2, 8), 66);
   for (uint32_t j = 0; j < 8; ++j) EXPECT_TRUE(nvlink::pushedSlot(push, j));
   EXPECT_EQ(nvlink::filteredSlots(push, 37, nvlink::kAllSlots), 37u);
   for (uint32_t q = 0; q <= 4; ++q) {
-    const nvlink::Geometry g = nvlink::makeGeometry(make(4096, 2, 8), 132, 1, static_cast<int>(q));
+    nvlink::Geometry g = nvlink::makeGeometry(make(4096, 2, 8), 132);
+    g.pushQuarters = q;
     for (uint32_t n : {0u, 1u, 2u, 3u, 4u, 5u, 7u, 8u, 13u, 4096u}) {
       std::vector<uint32_t> pushed, pulled;
       for (uint32_t i = 0; i < nvlink::filteredSlots(g, n, nvlink::kPushedSlots); ++i) {
@@ -162,7 +118,7 @@ TEST(NvlinkLayout, SmallBlocksHalveTheRoutingPassAndItsSharedMemory) {
   // 256-thread blocks (small batches): a routing pass covers 256 tokens, its scan tables have 8 warps' rows, and the
   // kernel's warps (blocks x 8) are what 66 blocks of 512 threads had.
   const nvlink::Geometry big = nvlink::makeGeometry(make(128, 2, 8), 66);
-  const nvlink::Geometry small = nvlink::makeGeometry(make(128, 2, 8), 132, -1, -1, -1, nvlink::kSmallThreads);
+  const nvlink::Geometry small = nvlink::makeGeometry(make(128, 2, 8), 132, nvlink::kSmallThreads);
   EXPECT_EQ(big.threads, nvlink::kMaxThreads);
   EXPECT_EQ(nvlink::blockWarps(small), 8u);
   EXPECT_EQ(small.blocks * nvlink::blockWarps(small), big.blocks * nvlink::blockWarps(big));
@@ -171,7 +127,7 @@ TEST(NvlinkLayout, SmallBlocksHalveTheRoutingPassAndItsSharedMemory) {
   EXPECT_EQ(nvlink::unitVectors(small), nvlink::unitVectors(big));
   EXPECT_EQ(nvlink::fusedDispatchKind(small), nvlink::fusedDispatchKind(big));
   // 300 tokens at 256 threads: two passes, still one routing block.
-  const nvlink::Geometry two = nvlink::makeGeometry(make(300, 2, 8), 132, -1, -1, -1, nvlink::kSmallThreads);
+  const nvlink::Geometry two = nvlink::makeGeometry(make(300, 2, 8), 132, nvlink::kSmallThreads);
   EXPECT_EQ(two.routeBlocks, 2u);
   EXPECT_EQ(two.routeChunk, 256u);
 }
@@ -179,7 +135,7 @@ TEST(NvlinkLayout, SmallBlocksHalveTheRoutingPassAndItsSharedMemory) {
 TEST(NvlinkLayout, RouteIndexIsABijectionIntoTheRouteArea) {
   for (uint32_t k : {1u, 2u, 5u, 8u}) {
     const Config c = make(40, 4, k, 2);
-    const nvlink::Geometry g = nvlink::makeGeometry(c, 66, -1, -1, 0);  // plain slots (line mode has no route area)
+    const nvlink::Geometry g = nvlink::makeGeometry(c, 66);
     const uint64_t slots = (g.offPayload - g.offRoute) / sizeof(uint64_t);
     std::set<uint64_t> seen;
     for (uint32_t s = 0; s < g.worldSize; ++s) {
