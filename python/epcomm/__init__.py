@@ -25,6 +25,7 @@ from ._all_to_all import AllToAll, Plan, make_config, plan
 from ._bootstrap import TorchGroupBootstrap, free_port, make_bootstrap
 from ._tensors import TypedArray, typed
 from ._torch_ops import HAVE_TORCH_OPS
+from . import deep_ep  # noqa: E402  (DeepEP's low-latency Buffer: epcomm.deep_ep.Buffer)
 
 __version__ = _C.version()
 
@@ -39,6 +40,7 @@ __all__ = [
     "TorchGroupBootstrap",
     "TypedArray",
     "built_backends",
+    "deep_ep",
     "env_vars",
     "free_port",
     "make_bootstrap",

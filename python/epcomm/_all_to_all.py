@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import operator
 import sys
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 from . import _C, _torch_ops
 from ._bootstrap import make_bootstrap
-from ._tensors import TypedArray, check_combine, check_dispatch, error, invalid_argument, is_torch_tensor
+from ._tensors import TypedArray, check_writable, error, invalid_argument, is_torch_tensor, python_names
 
 # The module object itself (None without torch): dispatch()/combine() test isinstance against it, which
 # torch.compile traces without a graph break.
 _torch = _torch_ops.torch
-# The plain tensor type (subclasses are described and checked every call); a placeholder type without torch.
-_TORCH_TENSOR = _torch.Tensor if _torch is not None else type("_NoTorch", (), {})
 
 __all__ = ["AllToAll", "make_config", "Plan", "plan"]
 
@@ -156,6 +154,28 @@ def _prepare(t: Any) -> Any:
     return t
 
 
+def _resolve_group_name(name: Optional[str]) -> Any:
+    """The torch.distributed ProcessGroup called `name` (None for "default" / None: make_bootstrap then takes the
+    default group when torch.distributed is initialised, or runs a single rank)."""
+    if name is None or name == "default":
+        return None
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        raise invalid_argument(f"group_name={name!r} names a torch.distributed group, but torch is not installed")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise invalid_argument(f"group_name={name!r}: torch.distributed is not initialised")
+    resolve = getattr(dist.distributed_c10d, "_resolve_process_group", None)
+    if resolve is None:
+        resolve = getattr(getattr(__import__("torch")._C, "_distributed_c10d", None), "_resolve_process_group", None)
+    try:
+        if resolve is None:
+            raise RuntimeError("this torch has no group registry (torch.distributed _resolve_process_group)")
+        return resolve(name)
+    except Exception as e:  # noqa: BLE001 (torch raises RuntimeError or KeyError depending on the version)
+        raise invalid_argument(f"group_name={name!r} names no torch.distributed ProcessGroup: {e}") from None
+
+
 def _current_stream(*tensors: Any) -> int:
     for t in tensors:
         if is_torch_tensor(t) and t.is_cuda:
@@ -211,19 +231,29 @@ class AllToAll:
         torch = sys.modules.get("torch")
         if self.device == "cuda" and torch is not None and torch.cuda.is_available():
             self.device = f"cuda:{torch.cuda.current_device()}"
-        self._checked: Dict[Tuple[Any, ...], bool] = {}  # argument signatures that passed the Python checks
         self._handle = _torch_ops.register(self)
 
     @classmethod
     def intranode(cls, max_num_tokens: int, num_experts: int, experts_per_token: int, rank: int, world_size: int,
                   dp_size: int, hidden_dim: int, hidden_dim_bytes: int, hidden_dim_scale_bytes: int,
-                  group_name: str = "default", **kwargs: Any) -> "AllToAll":
-        """pplx-kernels' constructor name (group_name is accepted and ignored; pass group= for a ProcessGroup)."""
-        kwargs.setdefault("backend", "auto")
+                  group_name: Optional[str] = "default", **kwargs: Any) -> "AllToAll":
+        """pplx-kernels' intranode constructor: the same arguments, keyword or positional. `group_name` names the
+        torch.distributed ProcessGroup the ranks meet through (``ProcessGroup.group_name``, as pplx-kernels
+        resolves it; "default" or None: the default group when torch.distributed is initialised). ``group=`` /
+        ``bootstrap=`` and the other keyword arguments of AllToAll take precedence; the backend is "auto"."""
+        if "group" not in kwargs and "bootstrap" not in kwargs:
+            kwargs["group"] = _resolve_group_name(group_name)
         return cls(max_num_tokens, num_experts, experts_per_token, rank, world_size, dp_size, hidden_dim,
                    hidden_dim_bytes, hidden_dim_scale_bytes, **kwargs)
 
-    internode = intranode
+    @classmethod
+    def internode(cls, max_num_tokens: int, num_experts: int, experts_per_token: int, rank: int, world_size: int,
+                  dp_size: int, hidden_dim: int, hidden_dim_bytes: int, hidden_dim_scale_bytes: int,
+                  group_name: Optional[str] = "default", **kwargs: Any) -> "AllToAll":
+        """pplx-kernels' internode constructor (see intranode): "auto" picks the backend that every rank can run,
+        so the same call serves one node and several."""
+        return cls.intranode(max_num_tokens, num_experts, experts_per_token, rank, world_size, dp_size, hidden_dim,
+                             hidden_dim_bytes, hidden_dim_scale_bytes, group_name, **kwargs)
 
     # -- properties --------------------------------------------------------------------------------------------
     @property
@@ -298,49 +328,31 @@ class AllToAll:
     def _dispatch_eager(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
                         bound_m, do_send, do_recv, stream) -> None:
         impl = self._live()
-        self._check_once("dispatch", check_dispatch, (out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
-                                                      dp_x_scale, indices, bound_m, do_send, do_recv))
+        if do_recv:
+            check_writable("out_expert_num_tokens", out_expert_num_tokens)
+            check_writable("out_expert_x", out_expert_x)
+            check_writable("out_expert_x_scale", out_expert_x_scale)
         if stream is None:
             stream = _current_stream(dp_x, out_expert_x)
-        impl.dispatch(_prepare(out_expert_num_tokens), _prepare(out_expert_x), _prepare(out_expert_x_scale),
-                      _prepare(dp_x), _prepare(dp_x_scale), _prepare(indices), _prepare(bound_m), do_send, do_recv,
-                      stream)
+        try:
+            impl.dispatch(_prepare(out_expert_num_tokens), _prepare(out_expert_x), _prepare(out_expert_x_scale),
+                          _prepare(dp_x), _prepare(dp_x_scale), _prepare(indices), _prepare(bound_m), do_send,
+                          do_recv, stream)
+        except _C.Error as e:  # the C++ checks name the C++ fields: say the Python argument names
+            raise python_names(e) from None
 
     def _combine_eager(self, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, accumulate,
                        stream) -> None:
         impl = self._live()
-        self._check_once("combine", check_combine, (out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv))
+        if do_recv:
+            check_writable("out_tokens", out_tokens)
         if stream is None:
             stream = _current_stream(out_tokens, expert_y)
-        impl.combine(_prepare(out_tokens), _prepare(indices), _prepare(weights), _prepare(expert_y),
-                     _prepare(bound_m), do_send, do_recv, accumulate, stream)
-
-    @staticmethod
-    def _signature(op: str, args: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
-        """What the Python checks of a call depend on, when every tensor is a plain torch tensor: shape, strides, dtype
-        and device of each (None stays None), and the flags. A signature that passed once skips the checks (~25 us
-        of CPU per call); values (bound_m, indices in range) are checked by the library on every call. None (always
-        check) for any other argument type."""
-        key: List[Any] = [op]
-        for a in args:
-            if a is None or isinstance(a, bool):
-                key.append(a)
-            elif type(a) is _TORCH_TENSOR:
-                key.append((a.shape, a.stride(), a.dtype, a.device))
-            else:
-                return None
-        return tuple(key)
-
-    def _check_once(self, op: str, check: Any, args: Tuple[Any, ...]) -> None:
-        """Runs the Python checks of a call unless its signature passed them before."""
-        key = self._signature(op, args)
-        if key is not None and key in self._checked:
-            return
-        check(self._config, self.device, *args)
-        if key is not None:
-            if len(self._checked) >= 64:  # shapes that change every call (no bound_m): stay bounded
-                self._checked.clear()
-            self._checked[key] = True
+        try:
+            impl.combine(_prepare(out_tokens), _prepare(indices), _prepare(weights), _prepare(expert_y),
+                         _prepare(bound_m), do_send, do_recv, accumulate, stream)
+        except _C.Error as e:
+            raise python_names(e) from None
 
     def synchronize(self) -> None:
         """Waits for this object's outstanding work and raises any error a kernel or thread recorded."""

@@ -13,10 +13,10 @@
 #include <utility>
 #include <vector>
 
-#include "core/env.hpp"
+#include "epcomm/environment.hpp"
 #include "epcomm/epcomm.hpp"
 #include "epcomm/plan.hpp"
-#include "reference/reference.hpp"
+#include "epcomm/reference.hpp"
 #include "tensor_convert.hpp"
 
 namespace nb = nanobind;
@@ -282,7 +282,8 @@ NB_MODULE(_C, m) {
       "env_vars",
       [] {
         std::vector<std::tuple<std::string, std::string, std::string>> out;
-        for (const EnvVar& v : envVars()) out.emplace_back(v.name, v.defaultValue, v.description);
+        for (const EnvironmentVariable& v : environmentVariables())
+          out.emplace_back(v.name, v.defaultValue, v.description);
         return out;
       },
       "Every EPCOMM_* environment variable as (name, default, description).");
@@ -458,6 +459,19 @@ NB_MODULE(_C, m) {
         "CPU reference dispatch for every rank: ranks[r] is a dict with rank r's host arrays under the names of "
         "AllToAll.dispatch (out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices, "
         "bound_m). Writes the outputs.");
+  m.def(
+      "cast_fp8_blocks",
+      [](nb::handle x, nb::handle out, nb::handle scales, int blockSize, bool roundScale) {
+        TensorHolder holder;
+        const TensorView xv = toTensorView("x", x, false, false, holder);
+        const TensorView ov = toTensorView("out", out, true, false, holder);
+        const TensorView sv = toTensorView("scales", scales, true, false, holder);
+        nb::gil_scoped_release release;
+        reference::castFp8Blocks(xv, ov, sv, blockSize, roundScale);
+      },
+      "x"_a, "out"_a, "scales"_a, "block_size"_a = 128, "round_scale"_a = false,
+      "The per-block fp8 e4m3 cast on the CPU (host arrays): out = fp8(x * 448 / amax), scales = amax / 448 per "
+      "block of block_size elements of a row (amax >= 1e-4). See epcomm/reference.hpp.");
   m.def("reference_combine", &referenceCombine, "config"_a, "ranks"_a,
         "CPU reference combine for every rank: ranks[r] holds out_tokens, indices, weights, expert_y, bound_m and "
         "accumulate (bool). Writes out_tokens.");

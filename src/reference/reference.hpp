@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "epcomm/all_to_all.hpp"
+#include "epcomm/reference.hpp"  // dispatch, combine, randomIndices, castFp8Blocks: the public part
 
 namespace epcomm {
 namespace reference {
@@ -39,23 +40,6 @@ struct Routing {
 /// effective token count. Throws Error(kInvalidArgument) for an index outside [-1, E) naming rank, token and
 /// position. `config.rank` is ignored.
 Routing buildRouting(const Config& config, const std::vector<TensorView>& indices, const std::vector<int32_t>& boundM);
-
-/// Dispatch for all ranks: args[r] is rank r's DispatchArgs (host memory; doSend/doRecv/stream ignored;
-/// *boundM read if given). Writes each rank's outExpertNumTokens, outExpertX and outExpertXScale; rows that receive
-/// no token are left untouched. The config is validated (kInvalidConfig) and every rank's tensors go through
-/// checkDispatchArgs (kInvalidArgument), so the reference rejects what the backends reject.
-void dispatch(const Config& config, const std::vector<DispatchArgs>& args);
-
-/// Combine for all ranks: args[r] is rank r's CombineArgs (host memory). Each outTokens row t < boundM is set to
-/// (accumulate ? out : 0) + sum_k weights[t,k] * expertY[slot(t,k)], in fp32, k ascending, then rounded to the
-/// output dtype (round to nearest even); each term is a separate multiply and add (no FMA). Rank r reads its own
-/// indices; a token whose expert row does not exist on the owner (the ranks of a DP group disagree on indices or
-/// boundM) throws kInvalidArgument.
-void combine(const Config& config, const std::vector<CombineArgs>& args);
-
-/// Uniform random top-K routing without repeats (SPEC 3): row-major [m, K] int32 expert indices in [0, E), from
-/// `seed` (the same seed gives the same routing on every platform).
-std::vector<int32_t> randomIndices(const Config& config, uint32_t m, uint64_t seed);
 
 /// An owned, zero-filled, 64-byte aligned, contiguous host tensor; for tests, tools and benchmarks that feed the
 /// reference. Move-only.

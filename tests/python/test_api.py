@@ -1,12 +1,11 @@
 """The package's surface without a backend: configs, planner, errors, DLPack conversion (through the C++
-reference, single rank) and the Python-side argument checks."""
+reference, single rank) and the argument checks (the C++ ones, named as the Python arguments)."""
 
 import pytest
 
 np = pytest.importorskip("numpy", reason="numpy is not installed (pip install numpy)")
 import epcomm  # noqa: E402
 from epcomm import _C  # noqa: E402
-from epcomm._tensors import check_combine, check_dispatch  # noqa: E402
 
 needs_host = pytest.mark.skipif("host" not in epcomm.built_backends(),
                                 reason=f"the host backend is not in this build (built: {epcomm.built_backends()})")
@@ -165,7 +164,7 @@ def test_conversion_errors_name_the_argument():
         _C.reference_dispatch(cfg, [base, base])
 
 
-# ---- Python-side checks (run before anything is launched) ----
+# ---- argument checks: the C++ checks (src/core/validate.cc), reached through the package, in Python names ----
 
 def _read_only(a):
     a.flags.writeable = False
@@ -188,69 +187,100 @@ def _dispatch_args(cfg, m=4, **over):
     return args
 
 
-@pytest.mark.parametrize("override, message", [
-    (dict(dp_x=np.zeros((4, 9), np.float32)), "dp_x rows are 36 bytes"),
-    (dict(dp_x=np.zeros((9, 8), np.float32), indices=np.zeros((9, 2), np.int32)), "more than max_num_tokens = 8"),
-    (dict(dp_x=np.zeros((4, 16), np.float32)[:, ::2]), "dp_x must be contiguous in its last dimension"),
-    (dict(indices=np.zeros((4, 2), np.float32)), "indices must be int32, uint32 or int64"),
-    (dict(indices=np.zeros((3, 2), np.int32)), "indices dimension 0 must be 4"),
-    (dict(out_expert_num_tokens=np.zeros(4, np.int64)), "out_expert_num_tokens must be int32"),
-    (dict(out_expert_num_tokens=np.zeros(3, np.int32)), "out_expert_num_tokens dimension 0 must be 4"),
-    (dict(out_expert_x=np.zeros((4, 7, 8), np.float32)), "out_expert_x dimension 1 must be 8"),
-    (dict(out_expert_x=None), "out_expert_x is required"),
-    (dict(out_expert_x=_read_only(np.zeros((4, 8, 8), np.float32))),
-     "out_expert_x is written by this call but the numpy array is read-only"),
-    (dict(dp_x_scale=np.zeros((4, 1), np.float32)), "dp_x_scale given but hidden_dim_scale_bytes = 0"),
-    (dict(bound_m=np.array([1, 2], np.int32)), "bound_m must hold exactly one element"),
-    (dict(bound_m=np.array(1, np.int64)), "bound_m must be int32"),
-    (dict(do_send=False, do_recv=False), "do_send = do_recv = False"),
-])
-def test_python_dispatch_checks(override, message):
-    cfg = small_config()
-    args = _dispatch_args(cfg, **override)
+def _host_a2a(scale_bytes=0):
+    return epcomm.AllToAll(8, 4, 2, 0, 1, 1, 8, 32, scale_bytes, backend="host")
+
+
+def _expect_error(call, message, where="validate.cc"):
     with pytest.raises(epcomm.Error, match=message) as info:
-        check_dispatch(cfg, "cpu", *args.values())
+        call()
     assert info.value.code == "invalid_argument"
+    if where:
+        assert where in info.value.file, f"raised by {info.value.file}, not by {where}"
 
 
-def test_python_checks_accept_good_args_and_scales():
-    cfg = small_config(hidden_dim_scale_bytes=8)
-    check_dispatch(cfg, "cpu", *_dispatch_args(cfg).values())
-    with pytest.raises(epcomm.Error, match="dp_x_scale is required"):
-        check_dispatch(cfg, "cpu", *_dispatch_args(cfg, dp_x_scale=None).values())
-    with pytest.raises(epcomm.Error, match="dp_x_scale must have a 4-byte dtype"):
-        check_dispatch(cfg, "cpu", *_dispatch_args(cfg, dp_x_scale=np.zeros((4, 2), np.float16)).values())
-    with pytest.raises(epcomm.Error, match="needs tensors on cuda:0"):
-        check_dispatch(cfg, "cuda:0", *_dispatch_args(cfg).values())
-
-
-@pytest.mark.parametrize("override, message", [
-    (dict(out_tokens=np.zeros((4, 8), np.int32)), "out_tokens must be bf16, fp16 or fp32"),
-    (dict(out_tokens=np.zeros((4, 12), np.float32)), "out_tokens dimension 1 must be 8"),
-    (dict(out_tokens=_read_only(np.zeros((4, 8), np.float32))), "out_tokens is written by this call but"),
-    (dict(weights=np.zeros((4, 2), np.float16)), "weights must be fp32"),
-    (dict(weights=np.zeros((4, 3), np.float32)), "weights dimension 1 must be 2"),
-    (dict(expert_y=np.zeros((4, 8, 8), np.int64)), "expert_y must be bf16, fp16 or fp32"),
-    (dict(expert_y=np.zeros((4, 8), np.float32)), "expert_y must have 3 dimensions"),
-    (dict(expert_y=np.zeros((4, 8, 16), np.float32)[:, :, :8][:, :, ::-1]), "negative stride"),
+@needs_host
+@pytest.mark.parametrize("override, message, where", [
+    (dict(dp_x=np.zeros((4, 9), np.float32)), "dp_x rows are 36 bytes", "validate.cc"),
+    (dict(dp_x=np.zeros((9, 8), np.float32), indices=np.zeros((9, 2), np.int32)),
+     "dp_x has 9 tokens, more than max_num_tokens = 8", "validate.cc"),
+    (dict(dp_x=np.zeros((4, 16), np.float32)[:, ::2]), "dp_x must be contiguous in its last dimension", "validate.cc"),
+    (dict(indices=np.zeros((4, 2), np.float32)), "indices must be int32, uint32 or int64", "validate.cc"),
+    (dict(indices=np.zeros((3, 2), np.int32)), "indices dimension 0 must be 4", "validate.cc"),
+    (dict(out_expert_num_tokens=np.zeros(4, np.int64)), "out_expert_num_tokens must be int32", "validate.cc"),
+    (dict(out_expert_num_tokens=np.zeros(3, np.int32)), "out_expert_num_tokens dimension 0 must be 4",
+     "validate.cc"),
+    (dict(out_expert_x=np.zeros((4, 7, 8), np.float32)), "out_expert_x dimension 1 must be 8", "validate.cc"),
+    (dict(out_expert_x=None), "out_expert_x is required", "tensor_convert.cc"),
+    (dict(out_expert_x=_read_only(np.zeros((4, 8, 8), np.float32))), "out_expert_x .*not a writable array",
+     "tensor_convert.cc"),
+    (dict(dp_x_scale=np.zeros((4, 1), np.float32)), "dp_x_scale given but hidden_dim_scale_bytes = 0",
+     "validate.cc"),
+    (dict(bound_m=np.array([1, 2], np.int32)), "bound_m must hold exactly one element", "tensor_convert.cc"),
+    (dict(bound_m=np.array(1, np.int64)), "bound_m must be an int32", "tensor_convert.cc"),
+    (dict(do_send=False, do_recv=False), "do_send = do_recv = false", "validate.cc"),
 ])
-def test_python_combine_checks(override, message):
-    cfg = small_config()
-    args = dict(out_tokens=np.zeros((4, 8), np.float32), indices=np.zeros((4, 2), np.int32),
-                weights=np.zeros((4, 2), np.float32), expert_y=np.zeros((4, 8, 8), np.float32), bound_m=None,
-                do_send=True, do_recv=True)
-    check_combine(cfg, "cpu", *args.values())
-    args.update(override)
-    with pytest.raises(epcomm.Error, match=message):
-        check_combine(cfg, "cpu", *args.values())
+def test_dispatch_argument_errors(override, message, where):
+    with _host_a2a() as a2a:
+        args = _dispatch_args(a2a.config, **override)
+        _expect_error(lambda: a2a.dispatch(**args), message, where)
+        a2a.dispatch(**_dispatch_args(a2a.config))  # nothing was launched: the object is still usable
 
 
-def test_typed_bf16_passes_python_checks():
-    cfg = small_config(hidden_dim_bytes=16)
-    args = _dispatch_args(cfg)
-    args["dp_x"] = epcomm.typed(np.zeros((4, 8), np.uint16), "bf16")
-    args["out_expert_x"] = epcomm.typed(np.zeros((4, 8, 8), np.uint16), "bf16")
-    check_dispatch(cfg, "cpu", *args.values())
+@needs_host
+def test_dispatch_scale_errors():
+    with _host_a2a(scale_bytes=8) as a2a:
+        cfg = a2a.config
+        _expect_error(lambda: a2a.dispatch(**_dispatch_args(cfg, dp_x_scale=None)),
+                      "dp_x_scale is required: hidden_dim_scale_bytes = 8")
+        _expect_error(lambda: a2a.dispatch(**_dispatch_args(cfg, dp_x_scale=np.zeros((4, 2), np.float16))),
+                      "dp_x_scale must have a 4-byte dtype")
+        a2a.dispatch(**_dispatch_args(cfg))
+
+
+@needs_host
+@pytest.mark.parametrize("override, message, where", [
+    (dict(out_tokens=np.zeros((4, 8), np.int32)), "out_tokens must be bf16, fp16 or fp32", "validate.cc"),
+    (dict(out_tokens=np.zeros((4, 12), np.float32)), "out_tokens dimension 1 must be 8", "validate.cc"),
+    (dict(out_tokens=np.zeros((3, 8), np.float32)),
+     "indices has 4 tokens but out_tokens only 3 rows", "validate.cc"),
+    (dict(out_tokens=_read_only(np.zeros((4, 8), np.float32))), "out_tokens .*not a writable array",
+     "tensor_convert.cc"),
+    (dict(weights=np.zeros((4, 2), np.float16)), "weights must be fp32", "validate.cc"),
+    (dict(weights=np.zeros((4, 3), np.float32)), "weights dimension 1 must be 2", "validate.cc"),
+    (dict(expert_y=np.zeros((4, 8, 8), np.int64)), "expert_y must be bf16, fp16 or fp32", "validate.cc"),
+    (dict(expert_y=np.zeros((4, 8), np.float32)), "expert_y must have 3 dimensions", "validate.cc"),
+])
+def test_combine_argument_errors(override, message, where):
+    with _host_a2a() as a2a:
+        a2a.dispatch(**_dispatch_args(a2a.config))
+        args = dict(out_tokens=np.zeros((4, 8), np.float32), indices=np.zeros((4, 2), np.int32),
+                    weights=np.zeros((4, 2), np.float32), expert_y=np.zeros((4, 8, 8), np.float32))
+        bad = dict(args, **override)
+        _expect_error(lambda: a2a.combine(**bad), message, where)
+        a2a.combine(**args)  # the bad call launched nothing: the round completes
+
+
+def test_python_names_keep_code_and_site():
+    err = _C.Error("epcomm invalid_argument at validate.cc:12: outExpertX dimension 1 must be 8, xScale given")
+    err.code, err.message, err.file, err.line = (
+        "invalid_argument", "outExpertX dimension 1 must be 8, xScale given", "validate.cc", 12)
+    from epcomm._tensors import python_names
+
+    out = python_names(err)
+    assert out.message == "out_expert_x dimension 1 must be 8, dp_x_scale given"
+    assert str(out).endswith(out.message) and "validate.cc:12" in str(out)
+    assert (out.code, out.file, out.line) == ("invalid_argument", "validate.cc", 12)
+
+
+@needs_host
+def test_typed_bf16_dispatch_round():
+    with epcomm.AllToAll(8, 4, 2, 0, 1, 1, 8, 16, 0, backend="host") as a2a:
+        num, ex, _ = a2a.alloc_dispatch_outputs("bf16")
+        x = epcomm.typed(np.arange(32, dtype=np.uint16).reshape(4, 8), "bf16")
+        a2a.dispatch(num, ex, None, x, None, np.array([[0, 1], [1, 2], [2, 3], [3, 0]], np.int32))
+        assert num.tolist() == [2, 2, 2, 2]
+        np.testing.assert_array_equal(ex.array[0, :2], x.array[[0, 3]])
 
 
 # ---- bootstraps and the factory ----

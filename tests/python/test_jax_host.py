@@ -49,15 +49,13 @@ def test_jax_outputs_are_refused():
     """A JAX array as a written argument is an error naming it (writing through its DLPack export would change an
     immutable array); nothing is launched."""
     T, E, K, H = 4, 4, 2, 64
-    cfg = epcomm.make_config(T, E, K, 0, 1, 1, H, H * 4, 0)
-    num = np.zeros(cfg.num_local_experts, np.int32)
-    ex = np.zeros((cfg.num_local_experts, cfg.batched_rows_per_expert, H), np.float32)
+    num = np.zeros(E, np.int32)
+    ex = np.zeros((E, T, H), np.float32)
     x = np.zeros((T, H), np.float32)
     idx = np.zeros((T, K), np.int32)
-    from epcomm._tensors import check_combine, check_dispatch
-
-    with pytest.raises(epcomm.Error, match="out_expert_x is written by this call but it is a JAX array"):
-        check_dispatch(cfg, "cpu", num, jnp.asarray(ex), None, x, None, idx, None, True, True)
-    with pytest.raises(epcomm.Error, match="out_tokens is written by this call but it is a JAX array"):
-        check_combine(cfg, "cpu", jnp.zeros((T, H), jnp.float32), idx, np.zeros((T, K), np.float32), ex, None,
-                      True, True)
+    with epcomm.AllToAll(T, E, K, 0, 1, 1, H, H * 4, 0, backend="host") as a2a:
+        with pytest.raises(epcomm.Error, match="out_expert_x is written by this call but it is a JAX array"):
+            a2a.dispatch(num, jnp.asarray(ex), None, x, None, idx)
+        a2a.dispatch(num, ex, None, x, None, idx)
+        with pytest.raises(epcomm.Error, match="out_tokens is written by this call but it is a JAX array"):
+            a2a.combine(jnp.zeros((T, H), jnp.float32), idx, np.zeros((T, K), np.float32), ex)
