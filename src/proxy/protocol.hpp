@@ -100,13 +100,26 @@ struct ProtocolSizes {
   uint64_t batchedRowsPerExpert = 0;
 
   /// Offset of send slot p in the send buffer.
-  uint64_t sendSlotOffset(uint32_t p) const { return p * sendSlotBytes; }
+  EPCOMM_HD uint64_t sendSlotOffset(uint32_t p) const { return p * sendSlotBytes; }
   /// Offset of sender s's private slot in the receive buffer.
-  uint64_t privateSlotOffset(uint32_t s) const { return s * privateSlotBytes; }
+  EPCOMM_HD uint64_t privateSlotOffset(uint32_t s) const { return s * privateSlotBytes; }
   /// Offset of the overflow region in the receive buffer.
-  uint64_t overflowOffset() const { return static_cast<uint64_t>(worldSize) * privateSlotBytes; }
-  uint32_t numDpGroups() const { return worldSize / dpSize; }
+  EPCOMM_HD uint64_t overflowOffset() const { return static_cast<uint64_t>(worldSize) * privateSlotBytes; }
+  EPCOMM_HD uint32_t numDpGroups() const { return worldSize / dpSize; }
 };
+
+/// Entry metadata, at ProtocolSizes::metaOffset of an entry: u32 token, u16 n, u16 localExpert[n].
+constexpr uint32_t kEntryTokenOffset = 0;
+constexpr uint32_t kEntryCountOffset = 4;
+constexpr uint32_t kEntryExpertsOffset = 6;
+
+/// Offset in the receive buffer of entry j from sender s (not this rank): the first privateTokens entries are in s's
+/// private slot, the rest in the overflow region from `overflowStart` (s's start there, in entries; see
+/// RoundLayout::overflowStart). Usable in kernels.
+EPCOMM_HD uint64_t recvEntryOffset(const ProtocolSizes& sizes, uint32_t s, uint32_t j, uint64_t overflowStart) {
+  return j < sizes.privateTokens ? sizes.privateSlotOffset(s) + sizes.headBytes + j * sizes.entryBytes
+                                 : sizes.overflowOffset() + (overflowStart + j - sizes.privateTokens) * sizes.entryBytes;
+}
 
 /// The default private area: the expected entries from one sender, maxSendTokens * K / W (each token reaches a
 /// given rank with probability about K * L / E = K / W), plus a quarter and 4 entries of margin, at most
@@ -123,8 +136,10 @@ uint64_t derivedCombineSendRows(const Config& config);
 ProtocolSizes computeSizes(const Config& config, int64_t privateTokens);
 
 /// Head accessors over a head's bytes.
-inline uint32_t* headExpertCounts(void* head) { return static_cast<uint32_t*>(head); }
-inline uint32_t* headEntryCounts(void* head, uint32_t numExperts) { return static_cast<uint32_t*>(head) + numExperts; }
+EPCOMM_HD uint32_t* headExpertCounts(void* head) { return static_cast<uint32_t*>(head); }
+EPCOMM_HD uint32_t* headEntryCounts(void* head, uint32_t numExperts) {
+  return static_cast<uint32_t*>(head) + numExperts;
+}
 
 /// The offsets of one round, computed from every sender's head once all heads are in (by every rank, each for
 /// itself, in the proxy, off the data path). Owns a copy of the counts: the receive buffer may be overwritten by
@@ -161,8 +176,7 @@ class RoundLayout {
   uint64_t outputRowBase(uint32_t le) const { return outputRowBase_[le]; }
   /// Offset of entry j from sender s in this rank's receive buffer (s != this rank).
   uint64_t recvEntryOffset(const ProtocolSizes& sizes, uint32_t s, uint32_t j) const {
-    return j < private_ ? sizes.privateSlotOffset(s) + sizes.headBytes + j * sizes.entryBytes
-                        : sizes.overflowOffset() + (overflowStart(s, rank_) + j - private_) * sizes.entryBytes;
+    return proxy::recvEntryOffset(sizes, s, j, overflowStart(s, rank_));
   }
   bool valid() const { return W_ != 0; }
 

@@ -67,7 +67,7 @@ std::atomic<uint32_t> gNextObjectId{0};
 void ProxyChannel::FreeBytes::operator()(uint8_t* p) const { std::free(p); }
 
 ProxyChannel::ProxyChannel(const Config& config, Bootstrap& bootstrap, const ChannelOptions& options)
-    : config_(config) {
+    : config_(config), onPosted_(options.onPosted) {
   sizes_ = computeSizes(config, options.privateTokens);
   timeoutMs_ = options.timeoutMs > 0 ? options.timeoutMs : env().timeoutMs;
   rank_ = config.rank;
@@ -80,9 +80,17 @@ ProxyChannel::ProxyChannel(const Config& config, Bootstrap& bootstrap, const Cha
 
   sendBuf_ = allocBytes(sizes_.sendBytes);
   recvBuf_ = allocBytes(sizes_.recvBytes);
-  combineSendCapacity_ = roundUpPow2(std::max<uint64_t>(sizes_.combineSendBytes, 1), 4096);
+  const uint64_t combineSendBytes = options.fixedCombineSend ? sizes_.combineSendBytesMax : sizes_.combineSendBytes;
+  combineSendCapacity_ = roundUpPow2(std::max<uint64_t>(combineSendBytes, 1), 4096);
   combineSendBuf_ = allocBytes(combineSendCapacity_);
   combineRecvBuf_ = allocBytes(sizes_.combineRecvBytes);
+  if (options.onBuffer) {
+    auto pages = [](uint64_t bytes) { return roundUpPow2(std::max<uint64_t>(bytes, 1), 4096); };
+    options.onBuffer(sendBuf_.get(), pages(sizes_.sendBytes));
+    options.onBuffer(recvBuf_.get(), pages(sizes_.recvBytes));
+    options.onBuffer(combineSendBuf_.get(), combineSendCapacity_);
+    options.onBuffer(combineRecvBuf_.get(), pages(sizes_.combineRecvBytes));
+  }
 
   fabric::EngineOptions eo;
   eo.provider = !options.provider.empty() ? options.provider : env().fabricProvider;
@@ -128,7 +136,7 @@ ProxyChannel::ProxyChannel(const Config& config, Bootstrap& bootstrap, const Cha
   EPCOMM_LOG(kInfo, "proxy channel: object " << objectId_ << " provider " << engine_->providerName() << " private "
                                              << sizes_.privateTokens << " tokens, entry " << sizes_.entryBytes
                                              << " bytes, " << bufferBytes() << " bytes registered");
-  thread_ = std::thread([this] { proxyLoop(); });
+  if (!options.externalDriver) thread_ = std::thread([this] { proxyLoop(); });
 }
 
 ProxyChannel::~ProxyChannel() {
@@ -234,6 +242,45 @@ void ProxyChannel::postCombine(DType yDtype) {
   Job job{JobKind::kCombine, ++postedSeq_, round_ - 1, false, yDtype};
   dispatchedSinceCombine_ = false;
   post(job);
+}
+
+void ProxyChannel::exchangeDispatch() {
+  EPCOMM_CHECK(!thread_.joinable(), kInternal, "exchangeDispatch on a channel with its own proxy thread");
+  Job job{JobKind::kDispatch, 0, round_++, dispatchedSinceCombine_, DType::kInvalid};
+  dispatchedSinceCombine_ = true;
+  runExternal(job);
+}
+
+void ProxyChannel::exchangeCombine(DType yDtype) {
+  EPCOMM_CHECK(!thread_.joinable(), kInternal, "exchangeCombine on a channel with its own proxy thread");
+  (void)combinePhase(yDtype);
+  EPCOMM_CHECK(round_ > 0, kInvalidArgument, "combine before any dispatch");
+  rowBytes_ = static_cast<uint64_t>(config_.hiddenDim) * dtypeSize(yDtype);
+  Job job{JobKind::kCombine, 0, round_ - 1, false, yDtype};
+  dispatchedSinceCombine_ = false;
+  runExternal(job);
+}
+
+void ProxyChannel::runExternal(const Job& job) {
+  rethrowIfBroken();
+  try {
+    if (job.kind == JobKind::kDispatch) {
+      if (job.barrierFirst) runBarrier(job);
+      runDispatch(job);
+    } else {
+      runCombine(job);
+    }
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!error_) error_ = std::current_exception();
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (job.kind == JobKind::kDispatch) {
+    ++stats_.dispatchRounds;
+  } else {
+    ++stats_.combineRounds;
+  }
 }
 
 void ProxyChannel::waitDispatch() { waitJob(postedSeq_, "dispatch receive"); }
@@ -408,6 +455,7 @@ void ProxyChannel::runDispatch(const Job& job) {
     ++localPosted_;
     engine_->scatter(headGroup_, *sendMr_, slices, true, encodeImm(objectId_, Phase::kHead, job.round, rank_), done);
   }
+  if (onPosted_) onPosted_(Phase::kHead);
 
   // 2. Every peer's head; then everybody knows every count and computes the same offsets.
   waitFromPeers(Phase::kHead, job.round, peerRanks_, "dispatch");
@@ -465,6 +513,7 @@ void ProxyChannel::runCombine(const Job& job) {
     ++localPosted_;
     engine_->scatter(combineGroup_, *combineSendMr_, slices, true, encodeImm(objectId_, phase, job.round, rank_), done);
   }
+  if (onPosted_) onPosted_(phase);
   waitFromPeers(phase, job.round, peerRanks_, "combine");
   waitLocalCompletions("combine", job.round);
 }

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -33,6 +34,19 @@ struct ChannelOptions {
   std::string provider;        ///< libfabric provider ("tcp", "shm", ...); "" = EPCOMM_FABRIC_PROVIDER, else probe.
   int64_t privateTokens = -1;  ///< Entries per sender's private area; < 0 = EPCOMM_PRIVATE_TOKENS / derived.
   int64_t timeoutMs = 0;       ///< Bound of every wait; 0 = EPCOMM_TIMEOUT_MS.
+  /// The caller runs the exchanges itself (exchangeDispatch / exchangeCombine, from one thread of its own: the GPU
+  /// proxy backend's thread, which follows flags written by kernels); no internal proxy thread is started.
+  bool externalDriver = false;
+  /// Size the combine send buffer for the worst case (every row fp32) at creation and never grow it, so that its
+  /// address stays fixed (kernels write it through a mapping made once).
+  bool fixedCombineSend = false;
+  /// Called once for each of the four buffers right after it is allocated (page-aligned, `bytes` a multiple of the
+  /// page), before it is registered with the engine and before any peer can write into it: e.g. to pin and map it
+  /// for a GPU. May throw (the constructor then throws).
+  std::function<void(uint8_t* data, uint64_t bytes)> onBuffer;
+  /// Called on the exchanging thread right after a round's first fabric operation was posted (the head scatter of a
+  /// dispatch, the row scatter of a combine): for phase traces.
+  std::function<void(Phase phase)> onPosted;
 };
 
 /// Fabric operations this rank issued to one peer (cumulative). Each write carries its immediate.
@@ -101,6 +115,19 @@ class ProxyChannel {
   /// Waits (bounded) until every owner's rows have landed; rethrows the exchange's error.
   void waitCombine();
 
+  /// externalDriver only: one dispatch exchange (what the proxy thread runs after postDispatch) on the calling
+  /// thread; returns when the peers' tokens have landed and layout() is this round's. Throws what waitDispatch would
+  /// and records it (every later call rethrows).
+  void exchangeDispatch();
+  /// externalDriver only: one combine exchange of rows of dtype yDtype (packed with combineSendRows), on the calling
+  /// thread; returns when every owner's rows have landed. Errors as exchangeDispatch.
+  void exchangeCombine(DType yDtype);
+  /// Makes the waits of an exchange in progress give up (kInternal, "abandoned") at their next check: for a driver
+  /// thread that is being stopped.
+  void requestStop() { stop_ = true; }
+  /// The engine the channel writes with (e.g. to ask whether its provider registers GPU memory).
+  fabric::TransferEngine& engine() { return *engine_; }
+
   /// A copy of the counters.
   ChannelStats stats() const;
   /// Rethrows the error that broke the channel, if any.
@@ -124,11 +151,14 @@ class ProxyChannel {
   void waitFromPeers(Phase phase, uint32_t round, std::vector<uint32_t> senders, const char* what);
   void waitLocalCompletions(const char* what, uint32_t round);
   void post(const Job& job);
+  // Runs `job` on the calling thread (externalDriver), counting it or recording its error.
+  void runExternal(const Job& job);
   void waitJob(uint64_t seq, const char* what);
   std::string prefix(const char* phase, uint32_t round) const;
 
   Config config_;
   ProtocolSizes sizes_;
+  std::function<void(Phase)> onPosted_;
   int64_t timeoutMs_ = 0;
   uint32_t objectId_ = 0;
   uint32_t rank_ = 0, world_ = 0;

@@ -480,11 +480,15 @@ std::vector<uint8_t> Round::snapshot(const DeviceTensors& dev) {
 }
 
 std::string runScenario(const Scenario& s, uint32_t rank, Bootstrap& bootstrap) {
+  return runScenario(s, rank, bootstrap, "nvlink");
+}
+
+std::string runScenario(const Scenario& s, uint32_t rank, Bootstrap& bootstrap, const std::string& backend) {
   int count = 0;
   GT_CUDA(cudaGetDeviceCount(&count));
   GT_CUDA(cudaSetDevice(static_cast<int>(rank) % count));
   const Config config = scenarioConfig(s, rank);
-  std::unique_ptr<AllToAll> a2a = createAllToAll(config, bootstrap, "nvlink");
+  std::unique_ptr<AllToAll> a2a = createAllToAll(config, bootstrap, backend);
   DeviceTensors dev;
   allocateDevice(s, rank, dev);
   cudaStream_t stream = nullptr;

@@ -92,6 +92,8 @@ void allocateDevice(const Scenario& s, uint32_t rank, DeviceTensors& dev);
 
 /// Runs `s.rounds` rounds on this rank (collective over `bootstrap`); returns "" on success, else what failed.
 std::string runScenario(const Scenario& s, uint32_t rank, Bootstrap& bootstrap);
+/// The same on the named backend ("nvlink", "proxy", ...), created through the factory.
+std::string runScenario(const Scenario& s, uint32_t rank, Bootstrap& bootstrap, const std::string& backend);
 
 }  // namespace gputest
 }  // namespace epcomm

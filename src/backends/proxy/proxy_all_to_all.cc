@@ -1,0 +1,629 @@
+#include "backends/proxy/proxy_all_to_all.hpp"
+
+#include <cuda_runtime.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "backends/backends.hpp"
+#include "backends/proxy/proxy_kernels.hpp"
+#include "backends/proxy/proxy_trace.hpp"
+#include "core/call_order.hpp"
+#include "core/env.hpp"
+#include "core/log.hpp"
+#include "core/validate.hpp"
+#include "epcomm/error.hpp"
+#include "epcomm/fabric/transfer_engine.hpp"
+
+/// Throws Error(kCuda) naming the call and CUDA's message unless `expr` returns cudaSuccess.
+#define EPCOMM_CHECK_CUDA(expr)                                                           \
+  do {                                                                                    \
+    cudaError_t epcomm_err_ = (expr);                                                     \
+    if (epcomm_err_ != cudaSuccess) {                                                     \
+      EPCOMM_THROW(kCuda, #expr << " failed: " << cudaGetErrorString(epcomm_err_) << " (" \
+                                << static_cast<int>(epcomm_err_) << ")");                 \
+    }                                                                                     \
+  } while (0)
+
+namespace epcomm {
+namespace gpuproxy {
+
+namespace {
+
+// The combine element types as the kernels and the mailbox name them (0 bf16, 1 fp16, 2 fp32).
+int32_t combineCode(DType t) { return t == DType::kBf16 ? 0 : t == DType::kF16 ? 1 : 2; }
+DType combineDtype(int32_t code) { return code == 0 ? DType::kBf16 : code == 1 ? DType::kF16 : DType::kF32; }
+
+// The host half of the hand-off's memory ordering: the kernels store with st.release.sys and load with ld.acquire.sys.
+uint64_t loadAcquire(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+void storeRelease(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+void cpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+const char* kernelPhaseName(int32_t phase) {
+  switch (phase) {
+    case kPhaseBadIndex:
+      return "dispatch-send (expert index check)";
+    case kPhaseDispatchArrival:
+      return "dispatch-recv (waiting for the proxy thread to announce the peers' tokens)";
+    case kPhaseCombineArrival:
+      return "combine-recv (waiting for the proxy thread to announce the owners' rows)";
+    case kPhaseCorruptEntry:
+      return "dispatch-recv (reading the received entries)";
+    case kPhaseCombineIndex:
+      return "combine-recv (finding each token's rows)";
+    case kPhaseCombineBadIndex:
+      return "combine-recv (expert index check)";
+    default:
+      return "unknown";
+  }
+}
+
+}  // namespace
+
+struct ProxyAllToAll::Impl {
+  Impl(const Config& config, Bootstrap& bootstrap, const proxy::ChannelOptions& options);
+  ~Impl() { release(); }
+
+  void release();
+  void proxyLoop();
+  bool waitDevice(const uint64_t* word, uint64_t want);
+  void publishTables();
+  void checkUsable();
+  void checkCurrentDevice() const;
+  DeviceState deviceState() const;
+
+  Config config;
+  int device = -1;
+  uint32_t blocks = 1;
+  int localSize = 1;
+  std::string path;
+  std::unique_ptr<proxy::ProxyChannel> channel;
+  proxy::ProtocolSizes sizes;
+  TableGeometry tg{};
+  ScratchGeometry sg{};
+  std::vector<void*> pinned;  // the channel's buffers, registered with cudaHostRegister
+  ChannelView view{};
+  Mailbox* mailbox = nullptr;  // host pointer (mapped)
+  Mailbox* mailboxDev = nullptr;
+  uint32_t* tables = nullptr;  // host pointer (mapped)
+  TraceRound* trace = nullptr;
+  TraceRound* traceDev = nullptr;
+  int64_t clockLo = 0, clockHi = 0;
+  uint8_t* scratch = nullptr;
+  CallOrder order;
+  int32_t combineSendType = -1;  // expertY of the last combine send half (the receive half reads rows of it)
+
+  std::thread thread;
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> roundsServed{0};
+  uint64_t traceRound = 0;  // proxy thread only: the round being stamped
+  std::mutex mu;
+  std::exception_ptr proxyError;  // the proxy thread's failure, rethrown by the next call
+  std::string failed;             // once set, every call throws it
+  ErrorCode failedCode = ErrorCode::kInternal;
+};
+
+ProxyAllToAll::Impl::Impl(const Config& c, Bootstrap& bootstrap, const proxy::ChannelOptions& options)
+    : config(c), order("proxy", c.rank, false) {
+  config.validate();
+  EPCOMM_CHECK(static_cast<int>(c.worldSize) == bootstrap.worldSize() && static_cast<int>(c.rank) == bootstrap.rank(),
+               kInvalidArgument,
+               "proxy backend: config says rank " << c.rank << " of " << c.worldSize << ", the bootstrap "
+                                                  << bootstrap.rank() << " of " << bootstrap.worldSize());
+  try {
+    int count = 0;
+    EPCOMM_CHECK_CUDA(cudaGetDeviceCount(&count));
+    EPCOMM_CHECK(count > 0, kUnavailable, "proxy backend: no CUDA device");
+    device = env().localRank >= 0 ? env().localRank : static_cast<int>(c.rank) % count;
+    EPCOMM_CHECK(device < count, kUnavailable,
+                 "EPCOMM_LOCAL_RANK = " << device << " but this process sees " << count << " CUDA devices");
+    EPCOMM_CHECK_CUDA(cudaSetDevice(device));
+    int sms = 0;
+    EPCOMM_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    blocks = static_cast<uint32_t>(std::max(1, sms));
+
+    // Ranks per node: peers on this node could be reached over NVLink instead of the fabric.
+    constexpr size_t kHost = 64;
+    std::vector<char> hosts(kHost * c.worldSize, 0);
+    char mine[kHost] = {0};
+    gethostname(mine, kHost - 1);
+    bootstrap.allGather(mine, hosts.data(), kHost);
+    int sameHost = 0;
+    for (uint32_t r = 0; r < c.worldSize; ++r) sameHost += std::strncmp(hosts.data() + r * kHost, mine, kHost) == 0;
+    const int64_t wanted = envInt("EPCOMM_PROXY_LOCAL_SIZE");
+    EPCOMM_CHECK(wanted >= 0 && (wanted == 0 || c.worldSize % wanted == 0), kInvalidConfig,
+                 "EPCOMM_PROXY_LOCAL_SIZE = " << wanted << " must be 0 (from the host names) or divide worldSize "
+                                              << c.worldSize);
+    localSize = wanted > 0 ? static_cast<int>(wanted) : sameHost;
+    if (localSize > 1) {
+      // NOTE: the NVLink path for same-node peers (CUDA IPC of the receive buffers, as the nvlink backend maps them)
+      // is not built yet: every peer goes over the fabric. Correct, but slower than it could be on one node.
+      if (wanted > 1) {
+        EPCOMM_LOG(kWarn, "proxy backend: EPCOMM_PROXY_LOCAL_SIZE = "
+                              << wanted << " asks for NVLink between same-node peers, which this build does not have; "
+                              << "every peer goes over the fabric");
+      } else {
+        EPCOMM_LOG(kInfo, "proxy backend: " << localSize
+                                            << " ranks share this node; same-node peers go over the fabric as well "
+                                            << "(no NVLink path in this build; EPCOMM_PROXY_LOCAL_SIZE=1 says so)");
+      }
+    }
+
+    proxy::ChannelOptions opts = options;
+    opts.externalDriver = true;
+    opts.fixedCombineSend = true;
+    opts.onBuffer = [this](uint8_t* data, uint64_t bytes) {
+      // Pinned and mapped before the engine registers it and before any peer can write into it.
+      EPCOMM_CHECK_CUDA(cudaHostRegister(data, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable));
+      pinned.push_back(data);
+    };
+    const bool tracing = envInt("EPCOMM_PROXY_TRACE") != 0;
+    if (tracing) {
+      opts.onPosted = [this](proxy::Phase phase) {
+        TraceRound& r = trace[traceRound % kTraceRounds];
+        (phase == proxy::Phase::kHead ? r.proxyPosted : r.combPosted) = hostNowNs();
+      };
+    }
+    channel = std::make_unique<proxy::ProxyChannel>(config, bootstrap, opts);
+    sizes = channel->sizes();
+    tg = tableGeometry(sizes);
+    sg = scratchGeometry(sizes, config.maxNumTokens);
+    EPCOMM_CHECK(sizes.combineSendRows < (1ull << 31) && sizes.combineRecvRows < (1ull << 31) &&
+                     config.totalExpertRows() < (1ull << 31),
+                 kInvalidConfig, "proxy backend: row counts of " << config.toString() << " exceed 32 bits");
+
+    auto mapped = [](void* host) {
+      void* dev = nullptr;
+      EPCOMM_CHECK_CUDA(cudaHostGetDevicePointer(&dev, host, 0));
+      return static_cast<uint8_t*>(dev);
+    };
+    view.send = mapped(channel->sendSlot(0));
+    view.recv = mapped(const_cast<uint8_t*>(channel->recvBuffer()));
+    view.combineSend = mapped(channel->combineSendBuffer());
+    view.combineRecv = mapped(const_cast<uint8_t*>(channel->combineRecvBuffer()));
+    EPCOMM_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&mailbox), sizeof(Mailbox),
+                                    cudaHostAllocMapped | cudaHostAllocPortable));
+    std::memset(static_cast<void*>(mailbox), 0, sizeof(Mailbox));
+    mailboxDev = reinterpret_cast<Mailbox*>(mapped(mailbox));
+    EPCOMM_CHECK_CUDA(
+        cudaHostAlloc(reinterpret_cast<void**>(&tables), 4ull * tg.words, cudaHostAllocMapped | cudaHostAllocPortable));
+    std::memset(tables, 0, 4ull * tg.words);
+    view.tables = reinterpret_cast<const uint32_t*>(mapped(tables));
+    if (tracing) {
+      EPCOMM_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&trace), sizeof(TraceRound) * kTraceRounds,
+                                      cudaHostAllocMapped | cudaHostAllocPortable));
+      std::memset(static_cast<void*>(trace), 0, sizeof(TraceRound) * kTraceRounds);
+      traceDev = reinterpret_cast<TraceRound*>(mapped(trace));
+    }
+    EPCOMM_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&scratch), sg.bytes));
+    EPCOMM_CHECK_CUDA(cudaMemset(scratch, 0, sg.bytes));
+
+    const uint64_t smem =
+        std::max({combineRecvSharedBytes(sizes), combineSendSharedBytes(sizes), copySharedBytes(sizes)});
+    if (smem > 48 * 1024) {
+      int smemMax = 0;
+      EPCOMM_CHECK_CUDA(cudaDeviceGetAttribute(&smemMax, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+      EPCOMM_CHECK(smem <= static_cast<uint64_t>(smemMax), kInvalidConfig,
+                   "proxy kernels would need " << smem << " bytes of shared memory for " << config.toString()
+                                               << ", the device allows " << smemMax);
+      const int rc = configureKernels(static_cast<uint32_t>(smem));
+      EPCOMM_CHECK(rc == 0, kCuda,
+                   "cudaFuncSetAttribute(max dynamic shared memory "
+                       << smem << ") failed: " << cudaGetErrorString(static_cast<cudaError_t>(rc)));
+    }
+
+    // The memory path: a provider that registers GPU memory (FI_HMEM: efa, verbs with GPUDirect RDMA) could let the
+    // NIC read and write GPU memory; tcp and shm (and Debian's libfabric, built without CUDA) cannot.
+    bool gpuDirect = false;
+    try {
+      auto mr = channel->engine().registerMemory(scratch, sg.bytes, MemoryKind::kCuda, device);
+      gpuDirect = mr != nullptr;
+    } catch (const Error&) {
+      gpuDirect = false;
+    }
+    path = "staging: the channel's buffers are pinned host memory mapped into the GPU (provider " +
+           channel->providerName() +
+           (gpuDirect ? " can register GPU memory (FI_HMEM); the GPU-direct path is not built, docs/proxy.md)"
+                      : " registers no GPU memory)");
+
+    if (tracing) {
+      // Clock check for the phases that cross clocks: %globaltimer read between two host stamps.
+      const uint64_t t0 = hostNowNs();
+      const int rc = launchClockProbe(&traceDev[0].packStart, nullptr);
+      EPCOMM_CHECK(rc == 0, kCuda, "clock probe launch failed: " << cudaGetErrorString(static_cast<cudaError_t>(rc)));
+      EPCOMM_CHECK_CUDA(cudaDeviceSynchronize());
+      const uint64_t t1 = hostNowNs();
+      const uint64_t g = trace[0].packStart;
+      trace[0].packStart = 0;
+      clockLo = static_cast<int64_t>(g - t1);
+      clockHi = static_cast<int64_t>(g - t0);
+    }
+    EPCOMM_CHECK_CUDA(cudaDeviceSynchronize());
+    thread = std::thread([this] { proxyLoop(); });
+    EPCOMM_LOG(kInfo, "proxy backend: device " << device << ", " << blocks << " blocks, provider "
+                                               << channel->providerName() << ", " << path << ", local size "
+                                               << localSize << ", " << config.toString());
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+void ProxyAllToAll::Impl::release() {
+  if (device >= 0) {
+    cudaSetDevice(device);
+    // Kernels still queued are served by the proxy thread (or give up after their bounded waits).
+    cudaDeviceSynchronize();
+  }
+  stop = true;
+  if (channel) channel->requestStop();
+  if (thread.joinable()) thread.join();
+  if (trace != nullptr && roundsServed.load() > 0) {
+    std::fputs(traceSummary(trace, roundsServed.load(), static_cast<int>(config.rank), clockLo, clockHi).c_str(),
+               stderr);
+  }
+  for (void* p : pinned) cudaHostUnregister(p);
+  pinned.clear();
+  channel.reset();
+  if (mailbox != nullptr) cudaFreeHost(mailbox);
+  if (tables != nullptr) cudaFreeHost(tables);
+  if (trace != nullptr) cudaFreeHost(trace);
+  if (scratch != nullptr) cudaFree(scratch);
+  mailbox = nullptr;
+  tables = nullptr;
+  trace = nullptr;
+  scratch = nullptr;
+  cudaGetLastError();
+}
+
+// Idle wait for the device's next flag: unbounded (the caller decides when the next round comes), ends on
+// destruction. NOTE: it spins (pause) for 2 ms after the last activity, then yields until 50 ms, then sleeps 50 us
+// per poll: a decode loop's rounds follow each other within the spin, so the proxy's reaction is a few polls of a
+// host cache line; an idle object costs no core.
+bool ProxyAllToAll::Impl::waitDevice(const uint64_t* word, uint64_t want) {
+  const auto start = std::chrono::steady_clock::now();
+  for (uint32_t i = 0;; ++i) {
+    if (loadAcquire(word) >= want) return true;
+    if (stop.load(std::memory_order_relaxed)) return false;
+    if ((i & 255) != 255) {
+      cpuRelax();
+      continue;
+    }
+    const auto idle = std::chrono::steady_clock::now() - start;
+    if (idle < std::chrono::milliseconds(2)) continue;
+    if (idle < std::chrono::milliseconds(50)) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+}
+
+// The round's tables for the receive and combine kernels, from the channel's RoundLayout (written before the
+// arrival word is released).
+void ProxyAllToAll::Impl::publishTables() {
+  const proxy::RoundLayout& lay = channel->layout();
+  const uint32_t W = tg.W, L = tg.L, G = tg.G, D = tg.D, E = tg.E, me = config.rank, g = me / D;
+  uint32_t* t = tables;
+  uint32_t at = 0;
+  for (uint32_t s = 0; s < W; ++s) {
+    t[tg.offEntries + s] = lay.entries(s, me);
+    t[tg.offEntryStart + s] = at;
+    at += lay.entries(s, me);
+    t[tg.offOverflowStart + s] = static_cast<uint32_t>(lay.overflowStart(s, me));
+  }
+  t[tg.offEntryStart + W] = at;
+  for (uint32_t le = 0; le < L; ++le) {
+    for (uint32_t s = 0; s <= W; ++s)
+      t[tg.offSlotOffset + le * (W + 1) + s] = static_cast<uint32_t>(lay.slotOffset(le, s));
+    t[tg.offOutputRowBase + le] = static_cast<uint32_t>(lay.outputRowBase(le));
+    t[tg.offLocalRows + le] = static_cast<uint32_t>(lay.localExpertRows(le));
+  }
+  at = 0;
+  for (uint32_t gg = 0; gg < G; ++gg) {
+    EPCOMM_CHECK(at == lay.combineSendStart(gg), kInternal,
+                 "proxy backend: combine send pieces of group " << gg << " start at row " << at << ", the layout says "
+                                                                << lay.combineSendStart(gg));
+    for (uint32_t le = 0; le < L; ++le) {
+      t[tg.offSendCum + gg * L + le] = at;
+      at += static_cast<uint32_t>(lay.slotOffset(le, (gg + 1) * D) - lay.slotOffset(le, gg * D));
+    }
+  }
+  t[tg.offSendCum + G * L] = at;
+  for (uint32_t p = 0; p < W; ++p) {
+    t[tg.offRecvStart + p] = static_cast<uint32_t>(p == me ? lay.combineSendStart(g) : lay.combineRecvStart(p));
+  }
+  for (uint32_t e = 0; e < E; ++e) {
+    uint64_t base = lay.combineExpertStart(e);
+    for (uint32_t d = 0; d < D; ++d) {
+      t[tg.offRowBase + d * E + e] = static_cast<uint32_t>(base);
+      base += lay.expertCount(g * D + d, e);
+    }
+  }
+}
+
+void ProxyAllToAll::Impl::proxyLoop() {
+  uint64_t round = 0;
+  try {
+    for (;;) {
+      traceRound = round;
+      if (!waitDevice(&mailbox->dispatchReady, round + 1)) return;
+      if (trace != nullptr) trace[round % kTraceRounds].proxySeen = hostNowNs();
+      channel->exchangeDispatch();
+      publishTables();
+      if (trace != nullptr) trace[round % kTraceRounds].proxyArrived = hostNowNs();
+      storeRelease(&mailbox->dispatchArrived, round + 1);
+      if (!waitDevice(&mailbox->combineReady, round + 1)) return;
+      if (trace != nullptr) trace[round % kTraceRounds].combSeen = hostNowNs();
+      const int32_t type = __atomic_load_n(&mailbox->combineType, __ATOMIC_ACQUIRE);
+      channel->exchangeCombine(combineDtype(type));
+      if (trace != nullptr) trace[round % kTraceRounds].combArrived = hostNowNs();
+      storeRelease(&mailbox->combineArrived, round + 1);
+      roundsServed = ++round;
+    }
+  } catch (...) {
+    // Never let an exception escape the thread: the next call on the object rethrows it; the kernels waiting for
+    // this thread stop at once.
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      proxyError = std::current_exception();
+    }
+    __atomic_store_n(&mailbox->abort, 1, __ATOMIC_RELEASE);
+  }
+}
+
+void ProxyAllToAll::Impl::checkUsable() {
+  if (failed.empty()) {
+    std::exception_ptr err;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      err = proxyError;
+    }
+    if (err) {
+      try {
+        std::rethrow_exception(err);
+      } catch (const Error& e) {
+        failedCode = e.code();
+        failed = "proxy backend rank " + std::to_string(config.rank) + ": " + e.message();
+      } catch (const std::exception& e) {
+        failedCode = ErrorCode::kInternal;
+        failed =
+            std::string("proxy backend rank ") + std::to_string(config.rank) + ": proxy thread failed: " + e.what();
+      }
+    }
+  }
+  if (failed.empty()) {
+    const volatile ErrorRecord* r = &mailbox->error;
+    const int32_t code = r->code;
+    if (code == 0) return;
+    std::atomic_thread_fence(std::memory_order_acquire);
+    std::ostringstream oss;
+    oss << "proxy backend rank " << r->rank << ": ";
+    switch (code) {
+      case kPhaseBadIndex:
+      case kPhaseCombineBadIndex:
+        failedCode = ErrorCode::kDeviceError;
+        oss << "expert index " << static_cast<int32_t>(r->b & 0xffffffff) << " at token " << r->a << ", position "
+            << (r->b >> 32) << " is outside [-1, " << config.numExperts << ") (phase " << kernelPhaseName(code)
+            << "); the entry was skipped";
+        break;
+      case kPhaseCombineIndex:
+        failedCode = ErrorCode::kInvalidArgument;
+        oss << "token " << r->a << " position " << (r->b >> 32) << " names expert " << (r->b & 0xffffffff)
+            << ", which that token was not dispatched to (phase " << kernelPhaseName(code)
+            << "): combine must use the indices and boundM that were dispatched";
+        break;
+      case kPhaseCorruptEntry:
+        failedCode = ErrorCode::kInternal;
+        oss << "corrupt receive buffer: sender rank " << r->peer << ", entry or expert " << r->a << ", value " << r->b
+            << " (phase " << kernelPhaseName(code) << ")";
+        break;
+      default:
+        failedCode = ErrorCode::kTimeout;
+        oss << "timed out after " << 2 * channel->timeoutMs() << " ms in phase " << kernelPhaseName(code) << " (round "
+            << r->b << ", announced " << r->a << "; the proxy thread reported no error)";
+        break;
+    }
+    failed = oss.str();
+  }
+  detail::throwError(failedCode, failed + " [this AllToAll object is unusable]", __FILE__, __LINE__);
+}
+
+void ProxyAllToAll::Impl::checkCurrentDevice() const {
+  int cur = -1;
+  EPCOMM_CHECK_CUDA(cudaGetDevice(&cur));
+  EPCOMM_CHECK(cur == device, kInvalidArgument,
+               "proxy backend rank " << config.rank << ": the current CUDA device is " << cur
+                                     << " but this object lives on " << device);
+}
+
+DeviceState ProxyAllToAll::Impl::deviceState() const {
+  DeviceState st{};
+  st.scratch = scratch;
+  st.mailbox = mailboxDev;
+  st.trace = traceDev;
+  st.timeoutNs = static_cast<uint64_t>(channel->timeoutMs()) * 1000000ull;
+  st.sg = sg;
+  return st;
+}
+
+ProxyAllToAll::ProxyAllToAll(const Config& config, Bootstrap& bootstrap, const proxy::ChannelOptions& options)
+    : impl_(std::make_unique<Impl>(config, bootstrap, options)) {}
+
+ProxyAllToAll::~ProxyAllToAll() = default;
+
+void ProxyAllToAll::dispatch(const DispatchArgs& a) {
+  Impl& m = *impl_;
+  m.checkUsable();
+  const CheckedDispatch c = checkDispatchArgs(m.config, a, MemoryKind::kCuda, m.device);
+  m.order.checkDispatch(a.doSend, a.doRecv);
+  m.checkCurrentDevice();
+  if (a.doSend) {
+    DispatchSendArgs k;
+    std::memset(static_cast<void*>(&k), 0, sizeof k);
+    k.sizes = m.sizes;
+    k.tg = m.tg;
+    k.st = m.deviceState();
+    k.ch = m.view;
+    k.x = static_cast<const uint8_t*>(a.x.data);
+    k.xRowStrideBytes = c.xRowStrideBytes;
+    k.xScale = static_cast<const uint8_t*>(a.xScale.data);
+    k.xScaleStrides[0] = c.scaleStrides[0];
+    k.xScaleStrides[1] = c.scaleStrides[1];
+    k.indices = a.indices.data;
+    k.indexKind = c.indexKind;
+    k.indexStrides[0] = c.indexStrides[0];
+    k.indexStrides[1] = c.indexStrides[1];
+    k.m = c.m;
+    k.maxNumTokens = m.config.maxNumTokens;
+    k.boundM = a.boundM;
+    const int rc = launchDispatchSend(k, m.blocks, a.stream);
+    EPCOMM_CHECK(rc == 0, kCuda,
+                 "proxy backend rank " << m.config.rank << ": dispatch send launch failed: "
+                                       << cudaGetErrorString(static_cast<cudaError_t>(rc)));
+  }
+  if (a.doRecv) {
+    DispatchRecvArgs k;
+    std::memset(static_cast<void*>(&k), 0, sizeof k);
+    k.sizes = m.sizes;
+    k.tg = m.tg;
+    k.st = m.deviceState();
+    k.ch = m.view;
+    k.outNumTokens = static_cast<int32_t*>(a.outExpertNumTokens.data);
+    k.outX = static_cast<uint8_t*>(a.outExpertX.data);
+    k.outExpertStrideBytes = c.outExpertStrideBytes;
+    k.outRowStrideBytes = c.outRowStrideBytes;
+    k.outScale = static_cast<uint8_t*>(a.outExpertXScale.data);
+    if (m.config.layout == Layout::kPacked) {
+      k.outScaleStrides[0] = 0;
+      k.outScaleStrides[1] = c.outScaleStrides[0];
+      k.outScaleStrides[2] = c.outScaleStrides[1];
+    } else {
+      for (int d = 0; d < 3; ++d) k.outScaleStrides[d] = c.outScaleStrides[d];
+    }
+    const int rc = launchDispatchRecv(k, m.blocks, a.stream);
+    EPCOMM_CHECK(rc == 0, kCuda,
+                 "proxy backend rank " << m.config.rank << ": dispatch receive launch failed: "
+                                       << cudaGetErrorString(static_cast<cudaError_t>(rc)));
+  }
+  m.order.dispatched(a.doSend, a.doRecv);
+}
+
+void ProxyAllToAll::combine(const CombineArgs& a) {
+  Impl& m = *impl_;
+  m.checkUsable();
+  const CheckedCombine c = checkCombineArgs(m.config, a, MemoryKind::kCuda, m.device);
+  m.order.checkCombine(a.doSend, a.doRecv);
+  m.checkCurrentDevice();
+  if (a.doSend) {
+    CombineSendArgs k;
+    std::memset(static_cast<void*>(&k), 0, sizeof k);
+    k.sizes = m.sizes;
+    k.tg = m.tg;
+    k.st = m.deviceState();
+    k.ch = m.view;
+    k.y = static_cast<const uint8_t*>(a.expertY.data);
+    k.yExpertStride = c.yExpertStride;
+    k.yRowStride = c.yRowStride;
+    k.yType = combineCode(a.expertY.dtype);
+    k.itemBytes = static_cast<uint32_t>(dtypeSize(a.expertY.dtype));
+    k.hidden = m.config.hiddenDim;
+    const int rc = launchCombineSend(k, m.blocks, a.stream);
+    EPCOMM_CHECK(rc == 0, kCuda,
+                 "proxy backend rank " << m.config.rank << ": combine send launch failed: "
+                                       << cudaGetErrorString(static_cast<cudaError_t>(rc)));
+    m.combineSendType = k.yType;
+  }
+  if (a.doRecv) {
+    CombineRecvArgs k;
+    std::memset(static_cast<void*>(&k), 0, sizeof k);
+    k.sizes = m.sizes;
+    k.tg = m.tg;
+    k.st = m.deviceState();
+    k.ch = m.view;
+    k.hidden = m.config.hiddenDim;
+    k.yType = m.combineSendType;
+    k.outType = combineCode(a.outTokens.dtype);
+    k.out = static_cast<uint8_t*>(a.outTokens.data);
+    k.outRowStride = c.outRowStride;
+    k.indices = a.indices.data;
+    k.indexKind = c.indexKind;
+    k.indexStrides[0] = c.indexStrides[0];
+    k.indexStrides[1] = c.indexStrides[1];
+    k.weights = static_cast<const float*>(a.weights.data);
+    k.weightStrides[0] = c.weightStrides[0];
+    k.weightStrides[1] = c.weightStrides[1];
+    k.m = c.m;
+    k.boundM = a.boundM;
+    k.accumulate = a.accumulate ? 1 : 0;
+    const int rc = launchCombineRecv(k, m.blocks, a.stream);
+    EPCOMM_CHECK(rc == 0, kCuda,
+                 "proxy backend rank " << m.config.rank << ": combine receive launch failed: "
+                                       << cudaGetErrorString(static_cast<cudaError_t>(rc)));
+  }
+  m.order.combined(a.doSend, a.doRecv);
+}
+
+void ProxyAllToAll::synchronize() {
+  impl_->checkUsable();
+  EPCOMM_CHECK_CUDA(cudaDeviceSynchronize());
+  impl_->checkUsable();
+}
+
+const Config& ProxyAllToAll::config() const { return impl_->config; }
+
+uint64_t ProxyAllToAll::bufferBytes() const {
+  const Impl& m = *impl_;
+  return m.channel->bufferBytes() + sizeof(Mailbox) + 4ull * m.tg.words + m.sg.bytes +
+         (m.trace != nullptr ? sizeof(TraceRound) * kTraceRounds : 0);
+}
+
+proxy::ChannelStats ProxyAllToAll::stats() const { return impl_->channel->stats(); }
+const proxy::ProtocolSizes& ProxyAllToAll::sizes() const { return impl_->sizes; }
+std::string ProxyAllToAll::providerName() const { return impl_->channel->providerName(); }
+const std::string& ProxyAllToAll::memoryPath() const { return impl_->path; }
+
+}  // namespace gpuproxy
+
+namespace backends {
+
+bool proxyUsable(std::string* whyNot) {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || count == 0) {
+    if (whyNot != nullptr) {
+      *whyNot = e != cudaSuccess ? std::string("no CUDA device (") + cudaGetErrorString(e) + ")" : "no CUDA device";
+    }
+    cudaGetLastError();
+    return false;
+  }
+  try {
+    if (!fabric::TransferEngine::probe().empty()) return true;
+    if (whyNot != nullptr) *whyNot = "no libfabric provider is usable on this machine (probe found none)";
+  } catch (const Error& err) {
+    if (whyNot != nullptr) *whyNot = std::string("TransferEngine probe failed: ") + err.message();
+  }
+  return false;
+}
+
+std::unique_ptr<AllToAll> createProxy(const Config& config, Bootstrap& bootstrap) {
+  return std::make_unique<gpuproxy::ProxyAllToAll>(config, bootstrap);
+}
+
+}  // namespace backends
+}  // namespace epcomm

@@ -1,0 +1,273 @@
+// Kernels of the GPU proxy backend and what they share with its proxy thread: the host-mapped mailbox (flags both
+// ways, the error record, trace stamps), the per-round tables the proxy publishes for the unpack and combine kernels,
+// and the device scratch. No CUDA headers here, so the host class and the planner compile with the C++ compiler.
+//
+// Hand-off (docs/proxy.md): a send kernel packs the channel's send buffer (pinned host memory mapped into the GPU),
+// then its last block fences at system scope and stores the round into `dispatchReady` / `combineReady` with release
+// semantics. The proxy thread polls that word, runs the exchange over the TransferEngine, writes the round's tables
+// and then `dispatchArrived` / `combineArrived` (release); the receive kernel polls it with ld.acquire.sys. All
+// counters are monotone round numbers kept by the device (CUDA graphs replay correctly).
+#pragma once
+
+#include <cstdint>
+
+#include "proxy/protocol.hpp"
+
+namespace epcomm {
+namespace gpuproxy {
+
+/// What a kernel was doing when it recorded an error (ErrorRecord::code).
+enum ErrorPhase : int32_t {
+  kPhaseNone = 0,
+  kPhaseBadIndex = 1,         ///< dispatch-send: an expert index outside [-1, E) (the entry is skipped)
+  kPhaseDispatchArrival = 2,  ///< dispatch-recv: the proxy never announced the peers' tokens
+  kPhaseCombineArrival = 3,   ///< combine-recv: the proxy never announced the owners' rows
+  kPhaseCorruptEntry = 4,     ///< dispatch-recv: an entry names more experts than it may, or the counts disagree
+  kPhaseCombineIndex = 5,     ///< combine-recv: an index differs from the one dispatched (or beyond its boundM)
+  kPhaseCombineBadIndex = 6,  ///< combine-recv: an expert index outside [-1, E)
+};
+
+/// Written once by the first kernel that fails (host-mapped, read by the next API call).
+struct ErrorRecord {
+  int32_t code;   ///< 0 = none, else an ErrorPhase
+  int32_t rank;   ///< rank that detected it
+  int32_t peer;   ///< sender / owner involved, -1 when none
+  int32_t block;  ///< block that detected it
+  int64_t a;      ///< token or entry index, or the flag value seen (timeouts)
+  int64_t b;      ///< position and index, or the expected flag value (timeouts)
+};
+
+/// Stamps of one round (EPCOMM_PROXY_TRACE): device stamps are %globaltimer ns, host stamps CLOCK_REALTIME ns.
+struct TraceRound {
+  uint64_t packStart;     ///< device: dispatch route kernel entered
+  uint64_t packReady;     ///< device: dispatchReady stored
+  uint64_t proxySeen;     ///< host: the proxy saw dispatchReady
+  uint64_t proxyPosted;   ///< host: the heads were posted (first fabric operation)
+  uint64_t proxyArrived;  ///< host: every peer's tokens in, tables written, dispatchArrived stored
+  uint64_t unpackStart;   ///< device: the rank kernel saw dispatchArrived
+  uint64_t unpackEnd;     ///< device: the copy kernel's last block finished
+  uint64_t combStart;     ///< device: combine-send entered
+  uint64_t combReady;     ///< device: combineReady stored
+  uint64_t combSeen;      ///< host: the proxy saw combineReady
+  uint64_t combPosted;    ///< host: combine rows posted
+  uint64_t combArrived;   ///< host: every owner's rows in, combineArrived stored
+  uint64_t sumStart;      ///< device: combine-recv saw combineArrived
+  uint64_t sumEnd;        ///< device: combine-recv's last block finished
+};
+constexpr uint32_t kTraceRounds = 1024;  ///< ring of per-round records (round % kTraceRounds)
+
+/// The host-mapped control block of one object (cudaHostAlloc, mapped). Each direction on its own cache lines.
+struct Mailbox {
+  // Kernels -> proxy.
+  alignas(64) uint64_t dispatchReady;  ///< rounds whose send slots (heads + entries) are packed
+  uint64_t combineReady;               ///< rounds whose combine rows are packed
+  int32_t combineType;                 ///< expertY of the combine being published: 0 bf16, 1 fp16, 2 fp32
+  // Proxy -> kernels.
+  alignas(64) uint64_t dispatchArrived;  ///< rounds whose peers' tokens are in and whose tables are written
+  uint64_t combineArrived;               ///< rounds whose owners' rows are in
+  int32_t abort;                         ///< 1: the proxy failed (the next API call throws); kernels stop waiting
+  alignas(64) ErrorRecord error;         ///< written by the first failing kernel
+};
+
+/// Geometry of the per-round tables (u32 words, host-mapped, written by the proxy before dispatchArrived):
+///   entries[W]            entries sender s sent this rank
+///   entryStart[W + 1]     prefix sum of entries (work items of the copy kernel)
+///   overflowStart[W]      where s's overflow starts in this rank's overflow region (entries)
+///   slotOffset[L][W + 1]  rows of local expert le from senders before s (RoundLayout::slotOffset)
+///   outputRowBase[L]      first row of le in outExpertX / expertY
+///   localRows[L]          rows of le this round (outExpertNumTokens)
+///   sendCum[G * L + 1]    combine send buffer: first row of piece (g, le) (rows of group g's senders for le)
+///   recvStart[W]          combine: first row of owner p's message (p == rank: in the send buffer, at group g's rows)
+///   rowBase[D][E]         combine: row of the first token of group sender d for expert e in owner e / L's message
+struct TableGeometry {
+  uint32_t W, L, G, D, E;
+  uint32_t offEntries, offEntryStart, offOverflowStart, offSlotOffset, offOutputRowBase, offLocalRows, offSendCum,
+      offRecvStart, offRowBase, words;
+};
+inline TableGeometry tableGeometry(const proxy::ProtocolSizes& s) {
+  TableGeometry t{};
+  t.W = s.worldSize;
+  t.L = s.numLocalExperts;
+  t.G = s.numDpGroups();
+  t.D = s.dpSize;
+  t.E = s.numExperts;
+  uint32_t at = 0;
+  t.offEntries = at;
+  at += t.W;
+  t.offEntryStart = at;
+  at += t.W + 1;
+  t.offOverflowStart = at;
+  at += t.W;
+  t.offSlotOffset = at;
+  at += t.L * (t.W + 1);
+  t.offOutputRowBase = at;
+  at += t.L;
+  t.offLocalRows = at;
+  at += t.L;
+  t.offSendCum = at;
+  at += t.G * t.L + 1;
+  t.offRecvStart = at;
+  at += t.W;
+  t.offRowBase = at;
+  at += t.D * t.E;
+  t.words = at;
+  return t;
+}
+
+/// Warps of the single-block ranking kernels (route, rank): each takes a contiguous chunk of the tokens (entries).
+constexpr uint32_t kRankWarps = 32;
+
+/// Device scratch of one object (cudaMalloc), by offsets in bytes from its base.
+struct ScratchGeometry {
+  uint64_t offSeq;       ///< u32 [4]: rounds completed by dispatch-send, dispatch-recv, combine-send, combine-recv
+  uint64_t offDone;      ///< u32 [4]: blocks of the running launch that finished (last-block detection)
+  uint64_t offClaimed;   ///< i32: the first failing kernel claims it (then every kernel bails out)
+  uint64_t offBound;     ///< u32: the dispatch's token bound this round
+  uint64_t offExperts;   ///< i32 [T][K]: the group tokens' experts, -1 masked / repeated / out of range / >= bound
+  uint64_t offPos;       ///< u64 [T][K]: ((e + 1) << 32) | row of (t, k) among its group sender's rows of e; 0 none
+  uint64_t offEntryOf;   ///< u32 [T][K]: own tokens: entry index in the owner's send slot (first k per owner)
+  uint64_t offHist;      ///< u32 [kRankWarps][max(E, W)]: per-chunk counts of the route kernel
+  uint64_t offCounts;    ///< u32 [max(E, W)]: the route kernel's totals (head counts)
+  uint64_t offRecvHist;  ///< u32 [W][kRankWarps][L]: per-chunk counts of the rank kernel (one block per sender)
+  uint64_t offEntryN;    ///< u32 [W][maxSend]: local experts each received entry names
+  uint64_t offRowOf;     ///< u32 [W][maxSend][maxLocalPerEntry]: output row of each received entry's experts
+  uint64_t bytes;
+};
+inline ScratchGeometry scratchGeometry(const proxy::ProtocolSizes& s, uint32_t maxNumTokens) {
+  auto align = [](uint64_t x) { return (x + 255) & ~uint64_t{255}; };
+  const uint64_t TK = static_cast<uint64_t>(maxNumTokens) * s.expertsPerToken;
+  ScratchGeometry g{};
+  uint64_t at = 0;
+  g.offSeq = at;
+  at += 16;
+  g.offDone = at;
+  at += 16;
+  g.offClaimed = at;
+  at += 4;
+  g.offBound = at;
+  at = align(at + 4);
+  g.offExperts = at;
+  at = align(at + 4 * TK);
+  g.offPos = at;
+  at = align(at + 8 * TK);
+  g.offEntryOf = at;
+  at = align(at + 4 * TK);
+  const uint64_t keys = s.numExperts > s.worldSize ? s.numExperts : s.worldSize;
+  g.offHist = at;
+  at = align(at + 4ull * kRankWarps * keys);
+  g.offCounts = at;
+  at = align(at + 4ull * keys);
+  g.offRecvHist = at;
+  at = align(at + 4ull * s.worldSize * kRankWarps * s.numLocalExperts);
+  g.offEntryN = at;
+  at = align(at + 4ull * s.worldSize * s.maxSendTokens);
+  g.offRowOf = at;
+  at = align(at + 4ull * s.worldSize * s.maxSendTokens * s.maxLocalPerEntry);
+  g.bytes = at;
+  return g;
+}
+
+/// Where a kernel finds the object's shared state.
+struct DeviceState {
+  uint8_t* scratch;    ///< device scratch (ScratchGeometry)
+  Mailbox* mailbox;    ///< device pointer of the host-mapped mailbox
+  TraceRound* trace;   ///< device pointer of the host-mapped trace ring, or null (tracing off)
+  uint64_t timeoutNs;  ///< EPCOMM_TIMEOUT_MS; a kernel waits twice that for the proxy (whose own waits fire first)
+  ScratchGeometry sg;
+};
+
+/// Buffers of the channel as the GPU sees them (device pointers of the pinned, mapped host buffers).
+struct ChannelView {
+  uint8_t* send;         ///< dispatch send buffer: W send slots
+  const uint8_t* recv;   ///< dispatch receive buffer: private slots + overflow
+  uint8_t* combineSend;  ///< combine send buffer (fixed, worst case)
+  const uint8_t* combineRecv;
+  const uint32_t* tables;  ///< per-round tables (TableGeometry)
+};
+
+/// Dispatch send half: route (one block) then pack (many blocks; the last one signals dispatchReady).
+struct DispatchSendArgs {
+  proxy::ProtocolSizes sizes;
+  TableGeometry tg;
+  DeviceState st;
+  ChannelView ch;
+  const uint8_t* x;
+  int64_t xRowStrideBytes;
+  const uint8_t* xScale;
+  int64_t xScaleStrides[2];  ///< elements (4 bytes)
+  const void* indices;
+  int32_t indexKind;
+  int64_t indexStrides[2];
+  uint32_t m;
+  uint32_t maxNumTokens;
+  const int32_t* boundM;  ///< nullable device scalar
+};
+
+/// Dispatch receive half: rank (one block per sender) then copy (many blocks).
+struct DispatchRecvArgs {
+  proxy::ProtocolSizes sizes;
+  TableGeometry tg;
+  DeviceState st;
+  ChannelView ch;
+  int32_t* outNumTokens;
+  uint8_t* outX;
+  int64_t outExpertStrideBytes;  ///< 0 for packed
+  int64_t outRowStrideBytes;
+  uint8_t* outScale;
+  int64_t outScaleStrides[3];  ///< elements: expert (0 for packed), row, column
+};
+
+/// Combine send half: copies the rows of every DP group into the combine send buffer; the last block signals.
+struct CombineSendArgs {
+  proxy::ProtocolSizes sizes;
+  TableGeometry tg;
+  DeviceState st;
+  ChannelView ch;
+  const uint8_t* y;
+  int64_t yExpertStride;  ///< elements; 0 for packed
+  int64_t yRowStride;     ///< elements
+  int32_t yType;          ///< 0 bf16, 1 fp16, 2 fp32
+  uint32_t itemBytes;
+  uint32_t hidden;
+};
+
+/// Combine receive half: the weighted sums.
+struct CombineRecvArgs {
+  proxy::ProtocolSizes sizes;
+  TableGeometry tg;
+  DeviceState st;
+  ChannelView ch;
+  uint32_t hidden;
+  int32_t yType, outType;  ///< 0 bf16, 1 fp16, 2 fp32
+  uint8_t* out;
+  int64_t outRowStride;  ///< elements
+  const void* indices;
+  int32_t indexKind;
+  int64_t indexStrides[2];
+  const float* weights;
+  int64_t weightStrides[2];
+  uint32_t m;
+  const int32_t* boundM;
+  int32_t accumulate;
+};
+
+/// Launchers: each enqueues its kernels on `stream` and returns the cudaError_t of the launches (0 = success).
+/// `blocks`: blocks of the multi-block kernels.
+int launchDispatchSend(const DispatchSendArgs& a, uint32_t blocks, void* stream);
+int launchDispatchRecv(const DispatchRecvArgs& a, uint32_t blocks, void* stream);
+int launchCombineSend(const CombineSendArgs& a, uint32_t blocks, void* stream);
+int launchCombineRecv(const CombineRecvArgs& a, uint32_t blocks, void* stream);
+/// Writes %globaltimer into *out (host-mapped) once, for the trace's clock check.
+int launchClockProbe(uint64_t* out, void* stream);
+/// Dynamic shared memory of the combine receive kernel (rowBase, recvStart, the token's terms).
+uint64_t combineRecvSharedBytes(const proxy::ProtocolSizes& sizes);
+/// Dynamic shared memory of the combine send kernel (piece starts) and of the copy kernel (entry starts).
+inline uint64_t combineSendSharedBytes(const proxy::ProtocolSizes& s) {
+  return 4ull * (2ull * s.numDpGroups() * s.numLocalExperts + 1);
+}
+inline uint64_t copySharedBytes(const proxy::ProtocolSizes& s) { return 4ull * (s.worldSize + 1); }
+/// Raises the dynamic shared-memory limit of the kernels that use it to `bytes` (needed above 48 KiB); cudaError_t.
+int configureKernels(uint32_t bytes);
+
+}  // namespace gpuproxy
+}  // namespace epcomm

@@ -1,0 +1,73 @@
+#include "backends/proxy/proxy_trace.hpp"
+
+#include <time.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+#include <vector>
+
+namespace epcomm {
+namespace gpuproxy {
+
+uint64_t hostNowNs() {
+  timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+namespace {
+
+struct Phase {
+  const char* name;
+  uint64_t TraceRound::*from;
+  uint64_t TraceRound::*to;
+  const char* clocks;  // "gpu", "host" or "gpu->host" / "host->gpu" (two clocks)
+};
+
+const Phase kPhases[] = {
+    {"dispatch: kernel pack (route + pack)", &TraceRound::packStart, &TraceRound::packReady, "gpu"},
+    {"dispatch: proxy sees the flag", &TraceRound::packReady, &TraceRound::proxySeen, "gpu->host"},
+    {"dispatch: proxy post (flag seen -> heads posted)", &TraceRound::proxySeen, &TraceRound::proxyPosted, "host"},
+    {"dispatch: reaction (flag -> first fabric post)", &TraceRound::packReady, &TraceRound::proxyPosted, "gpu->host"},
+    {"dispatch: wire (posted -> all peers in, tables out)", &TraceRound::proxyPosted, &TraceRound::proxyArrived,
+     "host"},
+    {"dispatch: kernel sees arrival", &TraceRound::proxyArrived, &TraceRound::unpackStart, "host->gpu"},
+    {"dispatch: kernel unpack (rank + copy)", &TraceRound::unpackStart, &TraceRound::unpackEnd, "gpu"},
+    {"combine: kernel pack", &TraceRound::combStart, &TraceRound::combReady, "gpu"},
+    {"combine: reaction (flag -> first fabric post)", &TraceRound::combReady, &TraceRound::combPosted, "gpu->host"},
+    {"combine: wire (posted -> all owners in)", &TraceRound::combPosted, &TraceRound::combArrived, "host"},
+    {"combine: kernel sees arrival", &TraceRound::combArrived, &TraceRound::sumStart, "host->gpu"},
+    {"combine: kernel weighted sum", &TraceRound::sumStart, &TraceRound::sumEnd, "gpu"},
+};
+
+}  // namespace
+
+std::string traceSummary(const TraceRound* ring, uint64_t rounds, int rank, int64_t clockLo, int64_t clockHi) {
+  std::ostringstream oss;
+  const uint64_t n = std::min<uint64_t>(rounds, kTraceRounds);
+  oss << "epcomm proxy trace, rank " << rank << ": " << rounds << " rounds (" << n
+      << " recorded); globaltimer - realtime in [" << clockLo / 1000.0 << ", " << clockHi / 1000.0
+      << "] us at creation (phases across the two clocks are as good as that)\n";
+  char line[256];
+  std::snprintf(line, sizeof line, "  %-52s %10s %10s %6s  %s\n", "phase", "median us", "p90 us", "n", "clock");
+  oss << line;
+  for (const Phase& p : kPhases) {
+    std::vector<double> us;
+    for (uint64_t i = 0; i < n; ++i) {
+      const TraceRound& r = ring[i];
+      const uint64_t a = r.*(p.from), b = r.*(p.to);
+      if (a == 0 || b == 0) continue;
+      us.push_back((static_cast<double>(b) - static_cast<double>(a)) / 1000.0);
+    }
+    if (us.empty()) continue;
+    std::sort(us.begin(), us.end());
+    std::snprintf(line, sizeof line, "  %-52s %10.1f %10.1f %6zu  %s\n", p.name, us[us.size() / 2],
+                  us[std::min(us.size() - 1, us.size() * 9 / 10)], us.size(), p.clocks);
+    oss << line;
+  }
+  return oss.str();
+}
+
+}  // namespace gpuproxy
+}  // namespace epcomm
