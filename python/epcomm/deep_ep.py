@@ -122,7 +122,9 @@ def per_token_cast_to_fp8(x: Any, round_scale: bool = False) -> Tuple[Any, Any]:
             q = xf * (1.0 / scale).unsqueeze(2)
         else:
             scale = amax / 448.0
-            q = xf * (448.0 / amax).unsqueeze(2)
+            # torch.full_like(...) / amax, not 448.0 / amax: torch evaluates a scalar over a tensor as
+            # reciprocal(amax) * 448, a second rounding the library's cast does not make.
+            q = xf * (torch.full_like(amax, 448.0) / amax).unsqueeze(2)
         return q.to(torch.float8_e4m3fn).view(m, h), scale.contiguous()
     import numpy as np
 
