@@ -1,0 +1,577 @@
+// The nvshmem backend against the CPU reference, one process per rank (forked before any CUDA call, TCP bootstrap,
+// NVSHMEM initialised from it). Rank r uses GPU r % devices, so every case runs on a machine with one GPU too: several
+// PEs then share it (NVSHMEM's multi-process-per-GPU mode, whose contexts take turns on the GPU: correctness only).
+// Without a GPU every test reports skipped.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "epcomm/error.hpp"
+#include "gpu_harness.hpp"
+#include "support/multiprocess.hpp"
+#include "support/scoped_env.hpp"
+
+namespace epcomm {
+namespace {
+
+using gputest::DeviceTensors;
+using gputest::Round;
+using gputest::Scenario;
+using test::ScopedEnv;
+
+#define REQUIRE_GPU()                                               \
+  do {                                                              \
+    if (gputest::gpuCount() == 0) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)
+
+// NVSHMEM settings for one host, each applied only when the environment does not set it already: NVLink/P2P only (no
+// remote transport to probe), no NVLS multicast, the unique-ID rendezvous over loopback. Set before the ranks fork.
+class OneHostNvshmem {
+ public:
+  OneHostNvshmem() {
+    for (const auto& [name, value] : {std::pair<const char*, const char*>{"NVSHMEM_REMOTE_TRANSPORT", "none"},
+                                      {"NVSHMEM_DISABLE_NVLS", "1"},
+                                      {"NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo"}}) {
+      if (std::getenv(name) == nullptr) {
+        setenv(name, value, 1);
+        set_.push_back(name);
+      }
+    }
+  }
+  ~OneHostNvshmem() {
+    for (const char* name : set_) unsetenv(name);
+  }
+  OneHostNvshmem(const OneHostNvshmem&) = delete;
+  OneHostNvshmem& operator=(const OneHostNvshmem&) = delete;
+
+ private:
+  std::vector<const char*> set_;
+};
+
+test::RunOptions options() {
+  test::RunOptions o;
+  o.deadlineMs = 400000;
+  return o;
+}
+
+// Runs every scenario in `list` on `world` ranks (one process each); each scenario creates its own object.
+void runAll(int world, const std::vector<Scenario>& list) {
+  OneHostNvshmem nvshmemEnv;
+  test::RunResult result = test::runRanks(
+      world,
+      [&](int rank, Bootstrap& bootstrap) {
+        for (size_t i = 0; i < list.size(); ++i) {
+          std::string err = gputest::runScenario(list[i], static_cast<uint32_t>(rank), bootstrap, "nvshmem");
+          ASSERT_TRUE(err.empty()) << "scenario " << i << ": " << err;
+        }
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+Scenario base(uint32_t world) {
+  Scenario s;
+  s.world = world;
+  return s;
+}
+
+// Selects rank % devices as the current device (what the objects use when EPCOMM_LOCAL_RANK is unset).
+void useRankDevice(int rank) {
+  int count = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+  ASSERT_EQ(cudaSetDevice(rank % count), cudaSuccess);
+}
+
+// One rank's nvshmem object for `s`, its device tensors and one round's inputs uploaded into them (the tests that
+// drive the calls themselves). The current CUDA device is chosen by the caller.
+struct LoadedObject {
+  LoadedObject(const Scenario& s, int rank, Bootstrap& bootstrap, uint64_t seed)
+      : a2a(createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "nvshmem")), round(s, seed) {
+    gputest::allocateDevice(s, rank, dev);
+    round.upload(rank, dev);
+  }
+  std::unique_ptr<AllToAll> a2a;
+  DeviceTensors dev;
+  Round round;
+};
+
+// One rank: basic rounds, masked and repeated experts with ragged m and a device boundM in both layouts with padding,
+// every index type, split halves with accumulate; 512 experts (the routing block's tables need more than the default
+// 48 KiB of shared memory).
+TEST(NvshmemGpu, W1Layouts) {
+  REQUIRE_GPU();
+  Scenario s = base(1);
+  s.masked = true;
+  s.deviceBound = true;
+  s.layout = Layout::kPacked;
+  s.padding = 8;
+  Scenario b = s;
+  b.layout = Layout::kBatched;
+  b.padding = 4;
+  b.indexType = DType::kU32;
+  Scenario c = s;
+  c.indexType = DType::kI64;
+  c.split = true;
+  c.accumulate = true;
+  Scenario many = base(1);
+  many.experts = 512;
+  many.topK = 8;
+  many.masked = true;
+  runAll(1, {base(1), s, b, c, many});
+}
+
+TEST(NvshmemGpu, W2Basic) {
+  REQUIRE_GPU();
+  runAll(2, {base(2)});
+}
+
+TEST(NvshmemGpu, W3Basic) {
+  REQUIRE_GPU();
+  Scenario s = base(3);
+  s.experts = 24;
+  s.masked = true;
+  runAll(3, {s});
+}
+
+TEST(NvshmemGpu, W4Basic) {
+  REQUIRE_GPU();
+  Scenario s = base(4);
+  s.masked = true;
+  s.deviceBound = true;
+  runAll(4, {s});
+}
+
+// Masked and repeated experts, ragged m, device boundM, both layouts with and without padding, on 2 and 4 ranks.
+std::vector<Scenario> layouts(uint32_t world) {
+  std::vector<Scenario> list;
+  for (Layout layout : {Layout::kBatched, Layout::kPacked}) {
+    for (uint32_t pad : {1u, 16u}) {
+      Scenario s = base(world);
+      s.masked = true;
+      s.deviceBound = true;
+      s.layout = layout;
+      s.padding = pad;
+      s.indexType = pad == 16 ? DType::kI64 : DType::kI32;
+      s.seed = 10 + pad + world;
+      list.push_back(s);
+    }
+  }
+  return list;
+}
+
+TEST(NvshmemGpu, W2MaskedRaggedBoundLayouts) {
+  REQUIRE_GPU();
+  runAll(2, layouts(2));
+}
+
+TEST(NvshmemGpu, W4MaskedRaggedBoundLayouts) {
+  REQUIRE_GPU();
+  runAll(4, layouts(4));
+}
+
+// Split halves (with our kernel between them), accumulate; one rank fusing while the other splits.
+TEST(NvshmemGpu, W2SplitAccumulateMixed) {
+  REQUIRE_GPU();
+  Scenario s = base(2);
+  s.split = true;
+  s.accumulate = true;
+  s.masked = true;
+  Scenario mixed = base(2);
+  mixed.splitOddRanks = true;
+  mixed.masked = true;
+  mixed.seed = 7;
+  runAll(2, {s, mixed});
+}
+
+TEST(NvshmemGpu, W3SplitMixed) {
+  REQUIRE_GPU();
+  Scenario s = base(3);
+  s.experts = 12;
+  s.splitOddRanks = true;
+  s.masked = true;
+  s.deviceBound = true;
+  runAll(3, {s});
+}
+
+// DP groups: D = 2 on 2 ranks (one group) and on 4 ranks (two groups); every rank of a group gets the combine.
+TEST(NvshmemGpu, W2DpGroupD2) {
+  REQUIRE_GPU();
+  Scenario s = base(2);
+  s.dp = 2;
+  s.masked = true;
+  s.deviceBound = true;
+  Scenario p = s;
+  p.layout = Layout::kPacked;
+  p.padding = 4;
+  p.split = true;
+  runAll(2, {s, p});
+}
+
+TEST(NvshmemGpu, W4DpGroupD2) {
+  REQUIRE_GPU();
+  Scenario s = base(4);
+  s.dp = 2;
+  s.masked = true;
+  s.deviceBound = true;
+  Scenario p = s;
+  p.layout = Layout::kPacked;
+  p.padding = 8;
+  p.splitOddRanks = true;
+  p.seed = 3;
+  runAll(4, {s, p});
+}
+
+// Rounds in which no token crosses between ranks: only the signals and the barrier do.
+TEST(NvshmemGpu, W2NothingCrossesBetweenRanks) {
+  REQUIRE_GPU();
+  Scenario own = base(2);
+  own.ownExperts = true;
+  own.masked = true;
+  own.rounds = 5;
+  Scenario split = own;
+  split.split = true;
+  split.seed = 93;
+  runAll(2, {own, split});
+}
+
+// SPEC's decode shape: 256 experts, top-8, 128 tokens of 7168 fp8 bytes and 56 fp32 scales.
+TEST(NvshmemGpu, W2DecodeShape) {
+  REQUIRE_GPU();
+  Scenario s = base(2);
+  s.experts = 256;
+  s.topK = 8;
+  s.hidden = 7168;
+  s.maxTokens = 128;
+  s.xType = DType::kFp8E4M3;
+  s.scales = true;
+  s.rounds = 2;
+  s.ragged = false;
+  Scenario masked = s;
+  masked.maxTokens = 64;
+  masked.masked = true;
+  masked.ragged = true;
+  masked.seed = 64;
+  runAll(2, {s, masked});
+}
+
+// More tokens than the routing block has threads (its positions carry over between chunks) and many records per
+// pack-and-put block; fused and split, both layouts.
+TEST(NvshmemGpu, W2ManyTokens) {
+  REQUIRE_GPU();
+  std::vector<Scenario> list;
+  for (int v = 0; v < 3; ++v) {
+    Scenario s = base(2);
+    s.maxTokens = 1300;
+    s.experts = 32;
+    s.topK = 6;
+    s.hidden = 128;
+    s.masked = true;
+    s.deviceBound = v != 0;
+    s.split = v == 1;
+    s.layout = v == 2 ? Layout::kPacked : Layout::kBatched;
+    s.padding = v == 2 ? 8 : 1;
+    s.dp = v == 2 ? 2 : 1;
+    s.rounds = 2;
+    s.seed = 300 + v;
+    list.push_back(s);
+  }
+  runAll(2, list);
+}
+
+// Every payload dtype with every (expertY, outTokens) pair.
+TEST(NvshmemGpu, W2DtypeMatrix) {
+  REQUIRE_GPU();
+  std::vector<Scenario> list;
+  const DType payloads[] = {DType::kFp8E4M3, DType::kBf16, DType::kF16, DType::kF32};
+  const DType combine[] = {DType::kBf16, DType::kF16, DType::kF32};
+  uint64_t seed = 100;
+  for (DType p : payloads) {
+    for (DType y : combine) {
+      for (DType o : combine) {
+        Scenario s = base(2);
+        s.xType = p;
+        s.scales = p == DType::kFp8E4M3;
+        s.yType = y;
+        s.outType = o;
+        s.hidden = 128;
+        s.rounds = 1;
+        s.masked = true;
+        s.seed = seed++;
+        list.push_back(s);
+      }
+    }
+  }
+  runAll(2, list);
+}
+
+// Two objects (micro-batches) in flight at once on two streams, each with its own symmetric buffers and rounds.
+TEST(NvshmemGpu, W2TwoObjectsInFlight) {
+  REQUIRE_GPU();
+  OneHostNvshmem nvshmemEnv;
+  test::RunResult result = test::runRanks(
+      2,
+      [](int rank, Bootstrap& bootstrap) {
+        useRankDevice(rank);
+        Scenario sa = base(2), sb = base(2);
+        sb.layout = Layout::kPacked;
+        sb.hidden = 512;
+        sb.masked = true;
+        auto a = createAllToAll(gputest::scenarioConfig(sa, rank), bootstrap, "nvshmem");
+        auto b = createAllToAll(gputest::scenarioConfig(sb, rank), bootstrap, "nvshmem");
+        DeviceTensors da, db;
+        gputest::allocateDevice(sa, rank, da);
+        gputest::allocateDevice(sb, rank, db);
+        cudaStream_t s1, s2;
+        ASSERT_EQ(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking), cudaSuccess);
+        ASSERT_EQ(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking), cudaSuccess);
+        for (int round = 0; round < 3; ++round) {
+          Round ra(sa, 500 + round), rb(sb, 600 + round);
+          ra.upload(rank, da);
+          rb.upload(rank, db);
+          da.dispatch.stream = da.combine.stream = s1;
+          db.dispatch.stream = db.combine.stream = s2;
+          a->dispatch(da.dispatch);
+          b->dispatch(db.dispatch);
+          a->combine(da.combine);
+          b->combine(db.combine);
+          a->synchronize();
+          b->synchronize();
+          std::string ea = ra.check(rank, da), eb = rb.check(rank, db);
+          ASSERT_TRUE(ea.empty()) << "object A round " << round << ": " << ea;
+          ASSERT_TRUE(eb.empty()) << "object B round " << round << ": " << eb;
+        }
+        cudaStreamDestroy(s1);
+        cudaStreamDestroy(s2);
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+// Capture dispatch + combine once; replay 100 times with new inputs and a new *boundM each time. The rounds live on
+// the device, so every replay waits for the peers' new data, not the first capture's.
+void graphReplay(int world) {
+  OneHostNvshmem nvshmemEnv;
+  test::RunResult result = test::runRanks(
+      world,
+      [world](int rank, Bootstrap& bootstrap) {
+        useRankDevice(rank);
+        Scenario s = base(world);
+        s.hidden = 128;
+        s.maxTokens = 16;
+        s.ragged = false;  // m is part of the captured call; the token count varies through *boundM
+        s.deviceBound = true;
+        s.masked = true;
+        auto a2a = createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "nvshmem");
+        DeviceTensors dev;
+        gputest::allocateDevice(s, rank, dev);
+        cudaStream_t stream;
+        ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+        {
+          Round r0(s, 9000);
+          r0.upload(rank, dev);
+        }
+        dev.dispatch.stream = dev.combine.stream = stream;
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+        a2a->dispatch(dev.dispatch);
+        a2a->combine(dev.combine);
+        ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+        ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+        for (int replay = 0; replay < 100; ++replay) {
+          Round r(s, 10000 + replay);
+          r.upload(rank, dev);
+          ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+          ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+          a2a->synchronize();
+          std::string err = r.check(rank, dev);
+          ASSERT_TRUE(err.empty()) << "replay " << replay << ": " << err;
+        }
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+        cudaStreamDestroy(stream);
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+TEST(NvshmemGpu, W2GraphReplay100) {
+  REQUIRE_GPU();
+  graphReplay(2);
+}
+
+TEST(NvshmemGpu, W3GraphReplay100) {
+  REQUIRE_GPU();
+  graphReplay(3);
+}
+
+// Rank 1 never enters `phase` ("dispatch": it makes no call; "combine": it dispatches, then stops): rank 0 gets
+// Error(kTimeout) naming rank 1 and the phase within the timeout, the object then refuses further use, the CUDA
+// context stays usable, and both objects are destroyed cleanly.
+void peerNeverEnters(const std::string& phase) {
+  OneHostNvshmem nvshmemEnv;
+  ScopedEnv env({{"EPCOMM_TIMEOUT_MS", "1500"}});  // read once per process, in the children
+  test::RunResult result = test::runRanks(
+      2,
+      [&](int rank, Bootstrap& bootstrap) {
+        useRankDevice(rank);
+        LoadedObject o(base(2), rank, bootstrap, 77);
+        auto& a2a = o.a2a;
+        DeviceTensors& dev = o.dev;
+        const bool skipDispatch = phase == "dispatch";
+        if (!skipDispatch) {
+          a2a->dispatch(dev.dispatch);
+          a2a->synchronize();
+        }
+        if (rank == 0) {
+          const auto start = std::chrono::steady_clock::now();
+          if (skipDispatch) {
+            a2a->dispatch(dev.dispatch);
+          } else {
+            a2a->combine(dev.combine);
+          }
+          bool threw = false;
+          try {
+            a2a->synchronize();
+          } catch (const Error& e) {
+            threw = true;
+            EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+            EXPECT_NE(e.message().find("peer rank 1"), std::string::npos) << e.what();
+            EXPECT_NE(e.message().find(phase), std::string::npos) << e.what();
+          }
+          const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+          EXPECT_TRUE(threw) << "no error after a peer skipped " << phase;
+          EXPECT_LT(ms, 1500 + 5000) << "the timeout took too long";
+          EXPECT_THROW(a2a->dispatch(dev.dispatch), Error);
+          void* p = nullptr;
+          EXPECT_EQ(cudaMalloc(&p, 1024), cudaSuccess);
+          cudaFree(p);
+        }
+        bootstrap.barrier();
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+TEST(NvshmemGpu, W2PeerNeverDispatchesTimesOut) {
+  REQUIRE_GPU();
+  peerNeverEnters("dispatch");
+}
+
+TEST(NvshmemGpu, W2PeerNeverEntersCombineTimesOut) {
+  REQUIRE_GPU();
+  peerNeverEnters("combine");
+}
+
+// Calls out of order are refused before anything is launched, and the object stays usable.
+TEST(NvshmemGpu, W1CallsOutOfOrderAreRefused) {
+  REQUIRE_GPU();
+  OneHostNvshmem nvshmemEnv;
+  test::RunResult result = test::runRanks(
+      1,
+      [](int rank, Bootstrap& bootstrap) {
+        useRankDevice(rank);
+        LoadedObject o(base(1), rank, bootstrap, 9);
+        auto& a2a = o.a2a;
+        DeviceTensors& dev = o.dev;
+        auto refused = [](const std::function<void()>& call, const char* text) {
+          try {
+            call();
+            ADD_FAILURE() << "no error, expected: " << text;
+          } catch (const Error& e) {
+            EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+            EXPECT_NE(e.message().find(text), std::string::npos) << e.what();
+          }
+        };
+        refused([&] { a2a->combine(dev.combine); }, "combine send while the object is 'idle'");
+        DispatchArgs recvOnly = dev.dispatch;
+        recvOnly.doSend = false;
+        refused([&] { a2a->dispatch(recvOnly); }, "dispatch receive while the object is 'idle'");
+        a2a->dispatch(dev.dispatch);
+        refused([&] { a2a->dispatch(dev.dispatch); }, "combine the last dispatch first");
+        CombineArgs fewWeights = dev.combine;
+        fewWeights.doRecv = false;
+        ASSERT_GT(fewWeights.weights.shape[0], 0);
+        fewWeights.weights.shape[0] -= 1;
+        refused([&] { a2a->combine(fewWeights); }, "fewer than the m");
+        a2a->combine(dev.combine);
+        a2a->synchronize();
+        EXPECT_EQ(o.round.check(rank, dev), "");
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+// An expert index outside [-1, E) is detected on the device and reported as kDeviceError by the next call; the
+// object can still be destroyed.
+TEST(NvshmemGpu, W1BadIndexIsDeviceError) {
+  REQUIRE_GPU();
+  OneHostNvshmem nvshmemEnv;
+  test::RunResult result = test::runRanks(
+      1,
+      [](int rank, Bootstrap& bootstrap) {
+        useRankDevice(rank);
+        Scenario s = base(1);
+        s.ragged = false;
+        LoadedObject o(s, rank, bootstrap, 5);
+        auto& a2a = o.a2a;
+        DeviceTensors& dev = o.dev;
+        const int32_t bad = static_cast<int32_t>(s.experts) + 3;
+        ASSERT_EQ(
+            cudaMemcpy(static_cast<int32_t*>(dev.indices.get()) + 2 * s.topK + 1, &bad, 4, cudaMemcpyHostToDevice),
+            cudaSuccess);
+        a2a->dispatch(dev.dispatch);
+        try {
+          a2a->synchronize();
+          ADD_FAILURE() << "no error for index " << bad;
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), ErrorCode::kDeviceError) << e.what();
+          EXPECT_NE(e.message().find("token 2"), std::string::npos) << e.what();
+          EXPECT_NE(e.message().find(std::to_string(bad)), std::string::npos) << e.what();
+        }
+        EXPECT_THROW(a2a->combine(dev.combine), Error);
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+// With NVSHMEM's static heap (CUDA VMM off, so the heap cannot grow) of 128 MiB, an object that needs more is refused
+// with kUnavailable naming NVSHMEM_SYMMETRIC_SIZE, and a small one in the same process still works.
+TEST(NvshmemGpu, W1HeapTooSmallIsUnavailable) {
+  REQUIRE_GPU();
+  OneHostNvshmem nvshmemEnv;
+  ScopedEnv env({{"NVSHMEM_DISABLE_CUDA_VMM", "1"}, {"NVSHMEM_SYMMETRIC_SIZE", "128M"}});
+  test::RunResult result = test::runRanks(
+      1,
+      [](int rank, Bootstrap& bootstrap) {
+        useRankDevice(rank);
+        Scenario small = base(1);
+        { auto first = createAllToAll(gputest::scenarioConfig(small, rank), bootstrap, "nvshmem"); }
+        Scenario big = base(1);
+        big.maxTokens = 4096;
+        big.hidden = 7168;
+        big.experts = 16;
+        try {
+          auto a2a = createAllToAll(gputest::scenarioConfig(big, rank), bootstrap, "nvshmem");
+          ADD_FAILURE() << "an object of ~350 MB was created on a 128 MiB heap";
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), ErrorCode::kUnavailable) << e.what();
+          EXPECT_NE(e.message().find("NVSHMEM_SYMMETRIC_SIZE"), std::string::npos) << e.what();
+        }
+        std::string err = gputest::runScenario(small, static_cast<uint32_t>(rank), bootstrap, "nvshmem");
+        EXPECT_TRUE(err.empty()) << err;
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+}  // namespace
+}  // namespace epcomm
