@@ -503,6 +503,34 @@ TEST(NvlinkGpu, W2PeerNeverDispatchesTimesOut) {
   peerNeverEnters("dispatch");
 }
 
+// Threads per block shape the protocol (the routing scan's tables, the work split), so ranks that would use different
+// counts are refused at setup, each naming the knob and both values. Here the counts differ through the batch size:
+// 256 tokens per rank take 256-thread blocks, 257 take 512 (EPCOMM_NVLINK_BLOCKS keeps the block counts equal).
+TEST(NvlinkGpu, W2RanksThatDisagreeOnThreadsAreRefused) {
+  REQUIRE_GPUS(2);
+  ScopedEnv env({{"EPCOMM_NVLINK_BLOCKS", "66"}});  // read once per process, in the children
+  test::RunResult result = test::runRanks(
+      2,
+      [](int rank, Bootstrap& bootstrap) {
+        int count = 0;
+        CUDA_OK(cudaGetDeviceCount(&count));
+        CUDA_OK(cudaSetDevice(rank % count));
+        Scenario s = base(2);
+        s.maxTokens = rank == 0 ? 256 : 257;
+        try {
+          std::unique_ptr<AllToAll> a2a = createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "nvlink");
+          ADD_FAILURE() << "rank " << rank << ": ranks with 256- and 512-thread blocks were not refused";
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), ErrorCode::kInvalidConfig) << e.what();
+          for (const char* text : {"EPCOMM_NVLINK_THREADS", "uses 256", "uses 512"}) {
+            EXPECT_NE(e.message().find(text), std::string::npos) << "no '" << text << "' in: " << e.what();
+          }
+        }
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
 // Setup that fails after its allocations: rank 1 joins the rendezvous but never creates its object, so rank 0's
 // constructor, past its device and pinned allocations and its IPC handle, waits in the exchange of handles until the
 // bootstrap's timeout and throws. (backends::createNvlink is what the factory calls once every rank said it can run

@@ -180,12 +180,15 @@ class NvlinkAllToAll final : public AllToAll {
                        << r << " runs on '" << all[r].host << "', rank " << me << " on '" << mine.host << "'");
       // The knobs that shape the protocol (a receiver counts B signals per sender; blocks x threads set the scan
       // tables and the work split) must be equal on every rank.
-      EPCOMM_CHECK(all[r].blocks == geo_.blocks, kInvalidConfig,
-                   "ranks disagree on nvlink blocks per kernel (EPCOMM_NVLINK_BLOCKS, or different GPUs): rank "
-                       << r << " uses " << all[r].blocks << ", rank " << me << " uses " << geo_.blocks);
-      EPCOMM_CHECK(all[r].threads == geo_.threads, kInvalidConfig,
-                   "ranks disagree on nvlink threads per block (EPCOMM_NVLINK_THREADS): rank "
-                       << r << " uses " << all[r].threads << ", rank " << me << " uses " << geo_.threads);
+      EPCOMM_CHECK(
+          all[r].blocks == geo_.blocks, kInvalidConfig,
+          "ranks disagree on nvlink blocks per kernel (EPCOMM_NVLINK_BLOCKS, or GPUs of different SM counts): rank "
+              << r << " uses " << all[r].blocks << ", rank " << me << " uses " << geo_.blocks);
+      EPCOMM_CHECK(
+          all[r].threads == geo_.threads, kInvalidConfig,
+          "ranks disagree on nvlink threads per block (EPCOMM_NVLINK_THREADS, or maxNumTokens x dp groups on either "
+          "side of 256): rank "
+              << r << " uses " << all[r].threads << ", rank " << me << " uses " << geo_.threads);
       EPCOMM_CHECK(all[r].bytes == geo_.totalBytes, kInvalidConfig,
                    "ranks disagree on the nvlink buffer size (their configs differ): rank "
                        << r << " has " << all[r].bytes << " bytes, rank " << me << " " << geo_.totalBytes);

@@ -8,6 +8,7 @@ namespace epcomm {
 namespace nvlink {
 namespace {
 
+// Which tokens expandTokens() writes and where it reads them.
 enum ExpandMode : int {
   kExpandAll = 0,    // every sender's tokens, from the staging slots (recv half of a split dispatch)
   kExpandOwn = 1,    // this rank's own tokens, straight from x / xScale (fused dispatch: no staging round trip)
