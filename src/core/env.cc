@@ -24,6 +24,12 @@ const std::vector<EnvVar>& envVars() {
       {"EPCOMM_FABRIC_PROVIDER", "", "libfabric provider for the TransferEngine (empty: probe efa, verbs, tcp, shm)"},
       {"EPCOMM_PRIVATE_TOKENS", "-1", "host/proxy backend: tokens in each sender's private area (-1: derived)"},
       {"EPCOMM_PROXY_CPU", "-1", "core to pin the progress/proxy thread to (-1: not pinned)"},
+      {"EPCOMM_PROXY_LOCAL_SIZE", "0",
+       "proxy backend: ranks per node, whose peers would go over NVLink (0: from the bootstrap's host names; 1: every "
+       "peer over the fabric, which is all this build does: a larger value is logged and falls back to the fabric)"},
+      {"EPCOMM_PROXY_TRACE", "0",
+       "proxy backend diagnostics: 1 stamps every round's phases (kernel pack, proxy post, wire, unpack) and prints "
+       "medians at destruction"},
       {"EPCOMM_NVLINK_BLOCKS", "0", "nvlink backend: thread blocks per kernel (0: automatic)"},
       {"EPCOMM_NVLINK_THREADS", "0", "nvlink backend: threads per block, 256 or 512 (0: automatic)"},
       {"EPCOMM_NVLINK_GRAPH_LAUNCH", "1",
