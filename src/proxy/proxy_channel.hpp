@@ -128,6 +128,19 @@ class ProxyChannel {
   /// The engine the channel writes with (e.g. to ask whether its provider registers GPU memory).
   fabric::TransferEngine& engine() { return *engine_; }
 
+  /// externalDriver only: one dispatch exchange (what the proxy thread runs after postDispatch) on the calling
+  /// thread; returns when the peers' tokens have landed and layout() is this round's. Throws what waitDispatch would
+  /// and records it (every later call rethrows).
+  void exchangeDispatch();
+  /// externalDriver only: one combine exchange of rows of dtype yDtype (packed with combineSendRows), on the calling
+  /// thread; returns when every owner's rows have landed. Errors as exchangeDispatch.
+  void exchangeCombine(DType yDtype);
+  /// Makes the waits of an exchange in progress give up (kInternal, "abandoned") at their next check: for a driver
+  /// thread that is being stopped.
+  void requestStop() { stop_ = true; }
+  /// The engine the channel writes with (e.g. to ask whether its provider registers GPU memory).
+  fabric::TransferEngine& engine() { return *engine_; }
+
   /// A copy of the counters.
   ChannelStats stats() const;
   /// Rethrows the error that broke the channel, if any.
@@ -153,11 +166,14 @@ class ProxyChannel {
   void post(const Job& job);
   // Runs `job` on the calling thread (externalDriver), counting it or recording its error.
   void runExternal(const Job& job);
+  // Runs `job` on the calling thread (externalDriver), counting it or recording its error.
+  void runExternal(const Job& job);
   void waitJob(uint64_t seq, const char* what);
   std::string prefix(const char* phase, uint32_t round) const;
 
   Config config_;
   ProtocolSizes sizes_;
+  std::function<void(Phase)> onPosted_;
   std::function<void(Phase)> onPosted_;
   int64_t timeoutMs_ = 0;
   uint32_t objectId_ = 0;

@@ -51,7 +51,7 @@ bool providerAvailable(const std::string& provider) {
 
 test::RunOptions options() {
   test::RunOptions o;
-  o.deadlineMs = 280000;
+  o.deadlineMs = 120000;
   return o;
 }
 
@@ -213,6 +213,16 @@ TEST_P(ProxyGpu, DecodeShape) {
   s.scales = true;
   s.ragged = false;
   s.rounds = 2;
+  runAll(2, {s});
+}
+
+// EPCOMM_PROXY_TRACE=1: every round's phases are stamped (kernels into host-mapped memory, the proxy thread on the
+// host) and summarised at destruction; the rounds still match the reference.
+TEST_P(ProxyGpu, TraceOn) {
+  ScopedEnv trace({{"EPCOMM_PROXY_TRACE", "1"}});
+  Scenario s = base(2);
+  s.masked = true;
+  s.rounds = 4;
   runAll(2, {s});
 }
 

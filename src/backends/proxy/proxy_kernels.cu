@@ -71,6 +71,14 @@ __device__ __forceinline__ uint16_t ldVolatileU16(const void* p) {
   return v;
 }
 __device__ __forceinline__ int32_t ldVolatileI32(const void* p) { return static_cast<int32_t>(ldVolatileU32(p)); }
+__device__ __forceinline__ uint64_t ldAcquireGpu64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void stReleaseGpu64(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 
 // Whether kernels must stop: a kernel of this object halted it, or the proxy thread failed (mailbox abort).
 __device__ __forceinline__ bool haltedAt(const int32_t* claim, const Mailbox* mailbox) {
@@ -120,9 +128,37 @@ __device__ __noinline__ bool waitMailboxAt(int32_t* claim, Mailbox* mailbox, uin
     }
   }
 }
-__device__ __forceinline__ bool waitMailbox(const DeviceState& st, const uint64_t* word, uint64_t want, int32_t phase,
-                                            int32_t rank) {
-  return waitMailboxAt(claimWord(st), st.mailbox, st.timeoutNs, word, want, phase, rank);
+// Thread 0 of every block: waits for the proxy's arrival word `which` (0 dispatch, 1 combine) to reach `want`. Only
+// block 0 polls the host word (one PCIe read stream instead of one per block); it relays the value into device
+// memory (release at GPU scope after its system-scope acquire: the other blocks' acquire completes the chain) and
+// the others poll that. Every block's wait is bounded; when block 0 gives up it halts the object, which stops them.
+__device__ __noinline__ bool waitArrivalAt(int32_t* claim, Mailbox* mailbox, uint64_t timeoutNs, uint64_t* relay,
+                                           const uint64_t* word, uint64_t want, int32_t phase, int32_t rank) {
+  if (blockIdx.x == 0) {
+    if (!waitMailboxAt(claim, mailbox, timeoutNs, word, want, phase, rank)) return false;
+    stReleaseGpu64(relay, want);
+    return true;
+  }
+  if (ldAcquireGpu64(relay) >= want) return true;
+  const uint64_t start = globalTimerNs();
+  for (uint32_t i = 1;; ++i) {
+    __nanosleep(32);
+    if (ldAcquireGpu64(relay) >= want) return true;
+    if ((i & 255) == 0) {
+      if (haltedAt(claim, mailbox)) return false;
+      // Block 0 records the timeout (naming the phase); this bound only guards against it never running.
+      if (globalTimerNs() - start > 3 * timeoutNs) {
+        recordErrorAt(claim, mailbox, phase, rank, -1, static_cast<int64_t>(ldAcquireGpu64(relay)),
+                      static_cast<int64_t>(want), true);
+        return false;
+      }
+    }
+  }
+}
+__device__ __forceinline__ bool waitArrival(const DeviceState& st, int which, const uint64_t* word, uint64_t want,
+                                            int32_t phase, int32_t rank) {
+  uint64_t* relay = reinterpret_cast<uint64_t*>(st.scratch + st.sg.offArrived) + which;
+  return waitArrivalAt(claimWord(st), st.mailbox, st.timeoutNs, relay, word, want, phase, rank);
 }
 
 // Every block of a launch calls this last (all threads). The last block to arrive runs `last` (thread 0), after
@@ -406,13 +442,17 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRankKernel(const Dispatc
   const uint32_t round = *seqWord(st, kSeqDispatchRecv);
   if (threadIdx.x == 0) {
     ok = !halted(st) &&
-         waitMailbox(st, &st.mailbox->dispatchArrived, round + 1, kPhaseDispatchArrival, static_cast<int32_t>(me));
+         waitArrival(st, 0, &st.mailbox->dispatchArrived, round + 1, kPhaseDispatchArrival, static_cast<int32_t>(me));
     if (ok && src == 0) stamp(st, round, &TraceRound::unpackStart);
   }
   __syncthreads();
   if (!ok) return;
   const uint32_t* tables = a.ch.tables;
-  const uint32_t n = ldVolatileU32(tables + tg.offEntries + src);
+  uint32_t n = ldVolatileU32(tables + tg.offEntries + src);
+  if (n > s.maxSendTokens) {
+    recordError(st, kPhaseCorruptEntry, static_cast<int32_t>(me), static_cast<int32_t>(src), n, s.maxSendTokens, true);
+    n = 0;
+  }
   const uint32_t overflowStart = ldVolatileU32(tables + tg.offOverflowStart + src);
   if (src == 0) {
     for (uint32_t le = threadIdx.x; le < L; le += blockDim.x) {
@@ -663,7 +703,7 @@ __global__ void __launch_bounds__(kSumThreads) combineRecvKernel(const CombineRe
   const uint32_t round = *seqWord(st, kSeqCombineRecv);
   if (threadIdx.x == 0) {
     ok = !halted(st) &&
-         waitMailbox(st, &st.mailbox->combineArrived, round + 1, kPhaseCombineArrival, static_cast<int32_t>(me));
+         waitArrival(st, 1, &st.mailbox->combineArrived, round + 1, kPhaseCombineArrival, static_cast<int32_t>(me));
     if (ok && blockIdx.x == 0) stamp(st, round, &TraceRound::sumStart);
   }
   __syncthreads();

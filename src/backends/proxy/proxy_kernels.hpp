@@ -123,6 +123,7 @@ struct ScratchGeometry {
   uint64_t offDone;      ///< u32 [4]: blocks of the running launch that finished (last-block detection)
   uint64_t offClaimed;   ///< i32: the first failing kernel claims it (then every kernel bails out)
   uint64_t offBound;     ///< u32: the dispatch's token bound this round
+  uint64_t offArrived;   ///< u64 [2]: block 0's copy of dispatchArrived / combineArrived, which the other blocks poll
   uint64_t offExperts;   ///< i32 [T][K]: the group tokens' experts, -1 masked / repeated / out of range / >= bound
   uint64_t offPos;       ///< u64 [T][K]: ((e + 1) << 32) | row of (t, k) among its group sender's rows of e; 0 none
   uint64_t offEntryOf;   ///< u32 [T][K]: own tokens: entry index in the owner's send slot (first k per owner)
@@ -145,7 +146,9 @@ inline ScratchGeometry scratchGeometry(const proxy::ProtocolSizes& s, uint32_t m
   g.offClaimed = at;
   at += 4;
   g.offBound = at;
-  at = align(at + 4);
+  at += 8;
+  g.offArrived = at;
+  at = align(at + 16);
   g.offExperts = at;
   at = align(at + 4 * TK);
   g.offPos = at;
