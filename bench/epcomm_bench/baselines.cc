@@ -19,7 +19,7 @@
 namespace epcomm {
 namespace bench {
 
-bool ranksShareGpu(Bootstrap& bootstrap, int device) {
+int distinctGpus(Bootstrap& bootstrap, int device) {
   struct Where {
     char host[64];
     char uuid[16];
@@ -30,12 +30,13 @@ bool ranksShareGpu(Bootstrap& bootstrap, int device) {
   std::memcpy(mine.uuid, &prop.uuid, sizeof(mine.uuid));
   std::vector<Where> all(bootstrap.worldSize());
   bootstrap.allGather(&mine, all.data(), sizeof(Where));
+  int distinct = 0;
   for (size_t a = 0; a < all.size(); ++a) {
-    for (size_t b = a + 1; b < all.size(); ++b) {
-      if (std::memcmp(&all[a], &all[b], sizeof(Where)) == 0) return true;
-    }
+    bool seen = false;
+    for (size_t b = 0; b < a && !seen; ++b) seen = std::memcmp(&all[a], &all[b], sizeof(Where)) == 0;
+    distinct += seen ? 0 : 1;
   }
-  return false;
+  return distinct;
 }
 
 NcclBaseline::NcclBaseline(Bootstrap& bootstrap, bool sharedGpu) : bs_(bootstrap) {

@@ -15,14 +15,15 @@
 namespace epcomm {
 namespace bench {
 
-/// Collective: true when two ranks of `bootstrap` run on the same GPU (same host, same device UUID).
-bool ranksShareGpu(Bootstrap& bootstrap, int device);
+/// Collective: how many distinct GPUs (host and device UUID) the ranks of `bootstrap` run on; fewer than the ranks
+/// when some share a GPU.
+int distinctGpus(Bootstrap& bootstrap, int device);
 
 /// NCCL's all-to-all (grouped send/recv) over all ranks. Unavailable, with the reason, when the benchmark was built
 /// without NCCL, when two ranks share a GPU (NCCL refuses duplicate GPUs), or when a rank could not initialise.
 class NcclBaseline {
  public:
-  /// Collective. `sharedGpu`: ranksShareGpu() of this job (every rank passes the same).
+  /// Collective. `sharedGpu`: some ranks share a GPU (distinctGpus() < ranks; every rank passes the same).
   NcclBaseline(Bootstrap& bootstrap, bool sharedGpu);
   ~NcclBaseline();
   NcclBaseline(const NcclBaseline&) = delete;

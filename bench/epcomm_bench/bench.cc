@@ -90,7 +90,8 @@ void Bench::setUpGpu() {
   cudaDeviceProp prop;
   BENCH_CUDA(cudaGetDeviceProperties(&prop, device_));
   gpuName_ = prop.name;
-  sharedGpu_ = ranksShareGpu(bs_, device_);
+  gpus_ = distinctGpus(bs_, device_);
+  sharedGpu_ = gpus_ < world_;
   nccl_ = std::make_unique<NcclBaseline>(bs_, sharedGpu_);
 }
 
@@ -101,7 +102,7 @@ void Bench::run() {
   if (!gpu_) applyHostDefaults(o_);
   char host[128] = {0};
   gethostname(host, sizeof(host) - 1);
-  machine_ = std::string(host) + (gpu_ ? " " + std::to_string(world_) + "x " + gpuName_ : " (cpu)");
+  machine_ = std::string(host) + (gpu_ ? " " + std::to_string(gpus_) + "x " + gpuName_ : " (cpu)");
   timer_ = std::make_unique<Timer>(bs_, gpu_, stream_, o_.barrier, timeoutMsFromEnv());
   if (rank_ == 0) {
     report_ = std::make_unique<Report>(o_, world_, gpu_, sharedGpu_, machine_, timer_->barrierName());

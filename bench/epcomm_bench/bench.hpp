@@ -41,6 +41,7 @@ class Bench {
   int rank_ = 0, world_ = 1;
   bool gpu_ = false;        // GPU tensors and CUDA-event timing (every backend but host)
   bool sharedGpu_ = false;  // two ranks run on one GPU
+  int gpus_ = 0;            // distinct GPUs of the job
   int device_ = -1;
   std::string gpuName_, machine_;
   cudaStream_t stream_ = nullptr;
