@@ -4,12 +4,19 @@
 #ifdef EPCOMM_HAVE_HOST_BACKEND
 #include "backends/host/host_all_to_all.hpp"
 #endif
+#ifdef EPCOMM_HAVE_PROXY_BACKEND
+#include "backends/proxy/proxy_all_to_all.hpp"
+#endif
+#if defined(EPCOMM_HAVE_HOST_BACKEND) || defined(EPCOMM_HAVE_PROXY_BACKEND)
+#define EPCOMM_TRANSFER_STATS_CHANNEL 1
+#include "proxy/proxy_channel.hpp"
+#endif
 
 namespace epcomm {
 
 namespace {
 
-#ifdef EPCOMM_HAVE_HOST_BACKEND
+#ifdef EPCOMM_TRANSFER_STATS_CHANNEL
 TransferStats fromChannel(const proxy::ChannelStats& s, const std::string& provider, uint32_t privateTokens) {
   TransferStats out;
   out.available = true;
@@ -32,6 +39,11 @@ TransferStats transferStats(const AllToAll& a2a) {
 #ifdef EPCOMM_HAVE_HOST_BACKEND
   if (const auto* h = dynamic_cast<const host::HostAllToAll*>(&a2a)) {
     return fromChannel(h->stats(), h->providerName(), h->sizes().privateTokens);
+  }
+#endif
+#ifdef EPCOMM_HAVE_PROXY_BACKEND
+  if (const auto* p = dynamic_cast<const gpuproxy::ProxyAllToAll*>(&a2a)) {
+    return fromChannel(p->stats(), p->providerName(), p->sizes().privateTokens);
   }
 #endif
   (void)a2a;
