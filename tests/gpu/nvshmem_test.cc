@@ -364,6 +364,7 @@ void graphReplay(int world) {
       [world](int rank, Bootstrap& bootstrap) {
         useRankDevice(rank);
         Scenario s = base(world);
+        s.experts = 8 * world;  // a multiple of every world size
         s.hidden = 128;
         s.maxTokens = 16;
         s.ragged = false;  // m is part of the captured call; the token count varies through *boundM
@@ -555,13 +556,14 @@ TEST(NvshmemGpu, W1HeapTooSmallIsUnavailable) {
         useRankDevice(rank);
         Scenario small = base(1);
         { auto first = createAllToAll(gputest::scenarioConfig(small, rank), bootstrap, "nvshmem"); }
+        // ~3.2 GB of symmetric buffers: far beyond the heap and NVSHMEM's own extra room.
         Scenario big = base(1);
-        big.maxTokens = 4096;
-        big.hidden = 7168;
+        big.maxTokens = 16384;
+        big.hidden = 16384;
         big.experts = 16;
         try {
           auto a2a = createAllToAll(gputest::scenarioConfig(big, rank), bootstrap, "nvshmem");
-          ADD_FAILURE() << "an object of ~350 MB was created on a 128 MiB heap";
+          ADD_FAILURE() << "an object of ~3.2 GB was created on a 128 MiB heap";
         } catch (const Error& e) {
           EXPECT_EQ(e.code(), ErrorCode::kUnavailable) << e.what();
           EXPECT_NE(e.message().find("NVSHMEM_SYMMETRIC_SIZE"), std::string::npos) << e.what();

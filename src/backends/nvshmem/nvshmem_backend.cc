@@ -166,97 +166,38 @@ class NvshmemAllToAll final : public AllToAll {
 
   void dispatch(const DispatchArgs& a) override {
     checkUsable();
-    const CheckedDispatch c = checkDispatchArgs(config_, a, MemoryKind::kCuda, device_);
-    order_.checkDispatch(a.doSend, a.doRecv);
+    PackedDispatch& p = packedDispatch_[callSlot(a.doSend, a.doRecv)];
+    if (!p.valid || !sameArgs(p.args, a)) {
+      packDispatch(a, p);
+    } else {
+      order_.checkDispatch(a.doSend, a.doRecv);
+    }
     checkCurrentDevice();
     if (a.doSend) {
-      nvshmem::DispatchSendArgs k;
-      std::memset(&k, 0, sizeof k);
-      k.g = geo_;
-      k.st = state();
-      k.x = static_cast<const uint8_t*>(a.x.data);
-      k.xRowStrideBytes = c.xRowStrideBytes;
-      k.xScale = static_cast<const uint8_t*>(a.xScale.data);
-      k.xScaleStrideBytes[0] = c.scaleStrides[0] * 4;
-      k.xScaleStrideBytes[1] = c.scaleStrides[1] * 4;
-      k.indices = a.indices.data;
-      k.indexKind = c.indexKind;
-      k.indexStrides[0] = c.indexStrides[0];
-      k.indexStrides[1] = c.indexStrides[1];
-      k.m = c.m;
-      k.boundM = a.boundM;
-      launched(nvshmem::launchDispatchSend(k, a.stream), "dispatch send");
-      dispatchedM_ = c.m;
+      launched(nvshmem::launchDispatchSend(p.send, a.stream), "dispatch send");
+      dispatchedM_ = p.send.m;
     }
-    if (a.doRecv) {
-      nvshmem::DispatchRecvArgs k;
-      std::memset(&k, 0, sizeof k);
-      k.g = geo_;
-      k.st = state();
-      k.outNumTokens = static_cast<int32_t*>(a.outExpertNumTokens.data);
-      k.outX = static_cast<uint8_t*>(a.outExpertX.data);
-      k.outExpertStrideBytes = c.outExpertStrideBytes;
-      k.outRowStrideBytes = c.outRowStrideBytes;
-      k.outScale = static_cast<uint8_t*>(a.outExpertXScale.data);
-      if (config_.layout == Layout::kPacked) {
-        k.outScaleStrideBytes[0] = 0;
-        k.outScaleStrideBytes[1] = c.outScaleStrides[0] * 4;
-        k.outScaleStrideBytes[2] = c.outScaleStrides[1] * 4;
-      } else {
-        for (int d = 0; d < 3; ++d) k.outScaleStrideBytes[d] = c.outScaleStrides[d] * 4;
-      }
-      launched(nvshmem::launchDispatchRecv(k, a.stream), "dispatch receive");
-    }
+    if (a.doRecv) launched(nvshmem::launchDispatchRecv(p.recv, a.stream), "dispatch receive");
     order_.dispatched(a.doSend, a.doRecv);
   }
 
   void combine(const CombineArgs& a) override {
     checkUsable();
-    const CheckedCombine c = checkCombineArgs(config_, a, MemoryKind::kCuda, device_);
-    order_.checkCombine(a.doSend, a.doRecv);
+    PackedCombine& p = packedCombine_[callSlot(a.doSend, a.doRecv)];
+    if (!p.valid || !sameArgs(p.args, a)) {
+      packCombine(a, p);
+    } else {
+      order_.checkCombine(a.doSend, a.doRecv);
+    }
     checkCurrentDevice();
     if (a.doSend) {
-      // The send half applies the router weights (each expert rank sums its experts' outputs per token before
-      // sending), so it needs them here; checkCombineArgs checks weights only for the receive half.
-      const TensorView& w = a.weights;
-      EPCOMM_CHECK(w.data != nullptr && w.memory == MemoryKind::kCuda && w.device == device_, kInvalidArgument,
-                   "nvshmem combine send half needs weights on cuda:" << device_ << ", got " << w.toString());
-      EPCOMM_CHECK(w.ndim == 2 && w.dtype == DType::kF32 && w.shape[1] == config_.expertsPerToken &&
-                       w.shape[0] <= config_.maxNumTokens && w.strides[0] >= 0 && w.strides[1] >= 0,
-                   kInvalidArgument, "weights must be fp32 [m <= maxNumTokens, K], got " << w.toString());
-      EPCOMM_CHECK(w.shape[0] >= dispatchedM_, kInvalidArgument,
-                   "rank " << config_.rank << ": combine weights have " << w.shape[0]
+      // The peers' combine-send reads the weights of every token this rank dispatched.
+      EPCOMM_CHECK(p.weightRows >= dispatchedM_, kInvalidArgument,
+                   "rank " << config_.rank << ": combine weights have " << p.weightRows
                            << " rows, fewer than the m = " << dispatchedM_ << " tokens this rank dispatched");
-      nvshmem::CombineSendArgs k;
-      std::memset(&k, 0, sizeof k);
-      k.g = geo_;
-      k.st = state();
-      k.y = static_cast<const uint8_t*>(a.expertY.data);
-      k.yExpertStride = c.yExpertStride;
-      k.yRowStride = c.yRowStride;
-      k.yType = combineType(a.expertY.dtype);
-      k.weights = static_cast<const float*>(w.data);
-      k.weightStrides[0] = w.strides[0];
-      k.weightStrides[1] = w.strides[1];
-      launched(nvshmem::launchCombineSend(k, a.stream), "combine send");
+      launched(nvshmem::launchCombineSend(p.send, a.stream), "combine send");
     }
-    if (a.doRecv) {
-      nvshmem::CombineRecvArgs k;
-      std::memset(&k, 0, sizeof k);
-      k.g = geo_;
-      k.st = state();
-      k.out = static_cast<uint8_t*>(a.outTokens.data);
-      k.outRowStride = c.outRowStride;
-      k.outType = combineType(a.outTokens.dtype);
-      k.indices = a.indices.data;
-      k.indexKind = c.indexKind;
-      k.indexStrides[0] = c.indexStrides[0];
-      k.indexStrides[1] = c.indexStrides[1];
-      k.m = c.m;
-      k.boundM = a.boundM;
-      k.accumulate = a.accumulate ? 1 : 0;
-      launched(nvshmem::launchCombineRecv(k, a.stream), "combine receive");
-    }
+    if (a.doRecv) launched(nvshmem::launchCombineRecv(p.recv, a.stream), "combine receive");
     order_.combined(a.doSend, a.doRecv);
   }
 
@@ -273,6 +214,117 @@ class NvshmemAllToAll final : public AllToAll {
   }
 
  private:
+  // The last call of each kind (send half, receive half, both) and the kernel arguments it was checked and packed
+  // into: an engine calls with the same buffers every step, and a repeat skips the checks and the packing.
+  struct PackedDispatch {
+    bool valid = false;
+    DispatchArgs args;
+    nvshmem::DispatchSendArgs send{};
+    nvshmem::DispatchRecvArgs recv{};
+  };
+  struct PackedCombine {
+    bool valid = false;
+    CombineArgs args;
+    nvshmem::CombineSendArgs send{};
+    nvshmem::CombineRecvArgs recv{};
+    int64_t weightRows = 0;
+  };
+
+  // Slot of a call in packedDispatch_ / packedCombine_: send half 0, receive half 1, both 2 (neither: 0, and the
+  // argument checks throw).
+  static int callSlot(bool doSend, bool doRecv) { return doSend && doRecv ? 2 : (doRecv ? 1 : 0); }
+
+  // Checks a dispatch's arguments (then its place in the call order) and packs the kernels' arguments into `p`.
+  void packDispatch(const DispatchArgs& a, PackedDispatch& p) {
+    p.valid = false;
+    const CheckedDispatch c = checkDispatchArgs(config_, a, MemoryKind::kCuda, device_);
+    order_.checkDispatch(a.doSend, a.doRecv);
+    std::memset(&p.send, 0, sizeof p.send);
+    std::memset(&p.recv, 0, sizeof p.recv);
+    if (a.doSend) {
+      nvshmem::DispatchSendArgs& k = p.send;
+      k.g = geo_;
+      k.st = state();
+      k.x = static_cast<const uint8_t*>(a.x.data);
+      k.xRowStrideBytes = c.xRowStrideBytes;
+      k.xScale = static_cast<const uint8_t*>(a.xScale.data);
+      k.xScaleStrideBytes[0] = c.scaleStrides[0] * 4;
+      k.xScaleStrideBytes[1] = c.scaleStrides[1] * 4;
+      k.indices = a.indices.data;
+      k.indexKind = c.indexKind;
+      k.indexStrides[0] = c.indexStrides[0];
+      k.indexStrides[1] = c.indexStrides[1];
+      k.m = c.m;
+      k.boundM = a.boundM;
+    }
+    if (a.doRecv) {
+      nvshmem::DispatchRecvArgs& k = p.recv;
+      k.g = geo_;
+      k.st = state();
+      k.outNumTokens = static_cast<int32_t*>(a.outExpertNumTokens.data);
+      k.outX = static_cast<uint8_t*>(a.outExpertX.data);
+      k.outExpertStrideBytes = c.outExpertStrideBytes;
+      k.outRowStrideBytes = c.outRowStrideBytes;
+      k.outScale = static_cast<uint8_t*>(a.outExpertXScale.data);
+      if (config_.layout == Layout::kPacked) {
+        k.outScaleStrideBytes[0] = 0;
+        k.outScaleStrideBytes[1] = c.outScaleStrides[0] * 4;
+        k.outScaleStrideBytes[2] = c.outScaleStrides[1] * 4;
+      } else {
+        for (int d = 0; d < 3; ++d) k.outScaleStrideBytes[d] = c.outScaleStrides[d] * 4;
+      }
+    }
+    p.args = a;
+    p.valid = true;
+  }
+
+  // The same for a combine (the weights' rows against the last dispatch are checked by the caller on every call).
+  void packCombine(const CombineArgs& a, PackedCombine& p) {
+    p.valid = false;
+    const CheckedCombine c = checkCombineArgs(config_, a, MemoryKind::kCuda, device_);
+    order_.checkCombine(a.doSend, a.doRecv);
+    std::memset(&p.send, 0, sizeof p.send);
+    std::memset(&p.recv, 0, sizeof p.recv);
+    if (a.doSend) {
+      // The send half applies the router weights (each expert rank sums its experts' outputs per token before
+      // sending), so it needs them here; checkCombineArgs checks weights only for the receive half.
+      const TensorView& w = a.weights;
+      EPCOMM_CHECK(w.data != nullptr && w.memory == MemoryKind::kCuda && w.device == device_, kInvalidArgument,
+                   "nvshmem combine send half needs weights on cuda:" << device_ << ", got " << w.toString());
+      EPCOMM_CHECK(w.ndim == 2 && w.dtype == DType::kF32 && w.shape[1] == config_.expertsPerToken &&
+                       w.shape[0] <= config_.maxNumTokens && w.strides[0] >= 0 && w.strides[1] >= 0,
+                   kInvalidArgument, "weights must be fp32 [m <= maxNumTokens, K], got " << w.toString());
+      nvshmem::CombineSendArgs& k = p.send;
+      k.g = geo_;
+      k.st = state();
+      k.y = static_cast<const uint8_t*>(a.expertY.data);
+      k.yExpertStride = c.yExpertStride;
+      k.yRowStride = c.yRowStride;
+      k.yType = combineType(a.expertY.dtype);
+      k.weights = static_cast<const float*>(w.data);
+      k.weightStrides[0] = w.strides[0];
+      k.weightStrides[1] = w.strides[1];
+      p.weightRows = w.shape[0];
+    }
+    if (a.doRecv) {
+      nvshmem::CombineRecvArgs& k = p.recv;
+      k.g = geo_;
+      k.st = state();
+      k.out = static_cast<uint8_t*>(a.outTokens.data);
+      k.outRowStride = c.outRowStride;
+      k.outType = combineType(a.outTokens.dtype);
+      k.indices = a.indices.data;
+      k.indexKind = c.indexKind;
+      k.indexStrides[0] = c.indexStrides[0];
+      k.indexStrides[1] = c.indexStrides[1];
+      k.m = c.m;
+      k.boundM = a.boundM;
+      k.accumulate = a.accumulate ? 1 : 0;
+    }
+    p.args = a;
+    p.valid = true;
+  }
+
   nvshmem::DeviceState state() const {
     nvshmem::DeviceState st{};
     st.sym = sym_;
@@ -356,6 +408,8 @@ class NvshmemAllToAll final : public AllToAll {
   /// (the round's barrier) completed.
   CallOrder order_{"nvshmem", config_.rank, false};
   uint32_t dispatchedM_ = 0;  // m of the last dispatch send half (combine's weights must cover it)
+  PackedDispatch packedDispatch_[3];
+  PackedCombine packedCombine_[3];
   std::string failed_;
   ErrorCode failedCode_ = ErrorCode::kInternal;
 };
