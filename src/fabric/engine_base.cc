@@ -286,6 +286,27 @@ void EngineBase::waitUntil(Done done, Describe describe) {
   }
 }
 
+bool EngineBase::driveUntil(const std::function<bool()>& done, int64_t budgetMs) {
+  if (done()) return true;
+  activeWaiters_.fetch_add(1, std::memory_order_acq_rel);
+  struct Leave {
+    std::atomic<int>& n;
+    ~Leave() { n.fetch_sub(1, std::memory_order_acq_rel); }
+  } leave{activeWaiters_};
+  const int64_t deadline = nowMs() + budgetMs;
+  uint32_t idle = 0;
+  for (uint64_t iter = 1;; ++iter) {
+    if (done()) return true;
+    if (hasError()) throwRecorded();
+    if (progressOnce()) {
+      idle = 0;
+    } else if (++idle > 256) {
+      sched_yield();
+    }
+    if ((iter & 255) == 0 && nowMs() > deadline) return done();
+  }
+}
+
 void EngineBase::waitImm(uint32_t imm, uint64_t count, const std::string& what) {
   const uint64_t raw = count * piecesPerImm_;
   auto load = [&]() -> uint64_t {

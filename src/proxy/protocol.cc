@@ -20,6 +20,8 @@ const char* phaseName(Phase phase) {
     case Phase::kCombineF16:
     case Phase::kCombineF32:
       return "combine rows";
+    case Phase::kNotice:
+      return "notice";
   }
   return "?";
 }

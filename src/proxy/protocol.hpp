@@ -24,6 +24,7 @@ enum class Phase : uint32_t {
   kCombineBf16 = 3,  ///< Combine rows (bf16) from an expert owner have landed.
   kCombineF16 = 4,
   kCombineF32 = 5,
+  kNotice = 6,  ///< The sender gave up a round, or refused a call of it: its notice (NoticeWire) has landed.
 };
 
 /// "head", "bulk", "barrier", "combine".
@@ -52,6 +53,23 @@ struct ImmFields {
 inline ImmFields decodeImm(uint32_t imm) {
   return ImmFields{imm >> 16, static_cast<Phase>((imm >> 13) & 7u), (imm >> 12) & 1u, imm & (kMaxRanks - 1)};
 }
+
+/// A notice: what a rank that refuses a call of a round, or gives the round up, writes into every peer's notice slot
+/// for it (kNoticeBytes per sender) before the immediate (kNotice, parity 0, sender). Peers waiting for that rank
+/// raise its message at once instead of running into the timeout. `seq` is written at both ends, so a reader can
+/// tell a slot that a newer notice is overwriting (it reads again later).
+constexpr uint32_t kNoticeBytes = 512;
+struct NoticeWire {
+  uint32_t seq;     ///< 1, 2, ... per sender and object.
+  uint32_t round;   ///< The round the notice is about (the channel's round number).
+  uint8_t kind;     ///< 0: dispatch, 1: combine, 2: the sender left (destroyed its object mid-round).
+  uint8_t fatal;    ///< 0: a refused call (nothing was sent; the round goes on if it calls again), 1: round lost.
+  uint16_t length;  ///< Bytes of text.
+  int32_t code;     ///< The sender's ErrorCode.
+  char text[kNoticeBytes - 20];
+  uint32_t seqEnd;  ///< == seq once the whole notice has landed.
+};
+static_assert(sizeof(NoticeWire) == kNoticeBytes, "a notice fills its slot");
 
 /// Sizes of one object's registered buffers and wire formats. Pure arithmetic on the Config.
 ///

@@ -10,6 +10,7 @@
 #include "core/env.hpp"
 #include "core/log.hpp"
 #include "epcomm/error.hpp"
+#include "fabric/engine_base.hpp"
 
 namespace epcomm {
 namespace proxy {
@@ -130,6 +131,17 @@ ProxyChannel::ProxyChannel(const Config& config, Bootstrap& bootstrap, const Cha
     headGroup_ = engine_->createGroup(members, headDsts);
     combineGroup_ = engine_->createGroup(members, combineDsts);
   }
+  // Notice slots: one per sender, written by a peer that refuses a call or gives a round up (see NoticeWire).
+  const uint64_t noticeBytes = roundUpPow2(static_cast<uint64_t>(world_ + 1) * kNoticeBytes, 4096);
+  noticeBuf_ = allocBytes(noticeBytes);
+  noticeMr_ = engine_->registerMemory(noticeBuf_.get(), noticeBytes);
+  const auto noticeDescs = allGatherBlobs(bootstrap, noticeMr_->desc().serialize());
+  noticeDescs_.resize(world_);
+  for (uint32_t r = 0; r < world_; ++r) {
+    noticeDescs_[r] = fabric::MemoryDesc::deserialize(noticeDescs[r].data(), noticeDescs[r].size());
+  }
+  notices_.assign(world_, Notice{});
+  driver_ = dynamic_cast<fabric::EngineBase*>(engine_.get());
   stats_.peers.assign(world_, PeerOps{});
   // Nobody writes before every peer has registered its buffers and added its peers.
   bootstrap.barrier();
@@ -150,6 +162,8 @@ ProxyChannel::~ProxyChannel() {
   const int64_t deadline = nowMs() + std::min<int64_t>(timeoutMs_, 2000);
   Backoff backoff;
   while (localDone_.load() < localPosted_ && nowMs() < deadline) backoff.pause();
+  std::lock_guard<std::mutex> lock(noticeMu_);
+  while (noticeDone_.load() < noticePosted_ && nowMs() < deadline) backoff.pause();
 }
 
 std::string ProxyChannel::providerName() const { return engine_->providerName(); }
@@ -211,8 +225,20 @@ std::string ProxyChannel::prefix(const char* phase, uint32_t round) const {
 }
 
 void ProxyChannel::rethrowIfBroken() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (error_) std::rethrow_exception(error_);
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    error = error_;
+  }
+  if (!error) return;
+  // Every call after a lost round says what to do, with the error that lost it.
+  constexpr const char* kHint = "this object cannot continue: destroy it and create a new one";
+  try {
+    std::rethrow_exception(error);
+  } catch (const Error& e) {
+    if (e.message().find(kHint) != std::string::npos) throw;
+    detail::throwError(e.code(), e.message() + "; " + kHint, e.file(), e.line());
+  }
 }
 
 ChannelStats ProxyChannel::stats() const {
@@ -329,8 +355,17 @@ void ProxyChannel::waitJob(uint64_t seq, const char* what) {
   std::unique_lock<std::mutex> lock(mu_);
   // The job's own waits are each bounded by the timeout; this bound only guards against a proxy bug.
   const auto bound = std::chrono::milliseconds(4 * timeoutMs_ + 1000);
-  const bool finished = cv_.wait_for(lock, bound, [&] { return doneSeq_ >= seq || error_ != nullptr; });
+  const bool finished = cv_.wait_for(lock, bound, [&] {
+    return doneSeq_ >= seq || error_ != nullptr || (userNoticeSeq_ == seq && !userNotice_.empty());
+  });
+  if (doneSeq_ >= seq) return;
   if (error_) std::rethrow_exception(error_);
+  if (userNoticeSeq_ == seq && !userNotice_.empty()) {
+    // A peer refused its call: this call fails now, the exchange itself waits on (bounded by the timeout).
+    std::string message;
+    message.swap(userNotice_);
+    detail::throwError(ErrorCode::kPeerFailure, message, __FILE__, __LINE__);
+  }
   EPCOMM_CHECK(finished, kTimeout,
                "host/proxy rank " << rank_ << ": " << what << " (object " << objectId_
                                   << "): the proxy thread did not finish within " << 4 * timeoutMs_ + 1000 << " ms");
@@ -346,6 +381,7 @@ void ProxyChannel::proxyLoop() {
       job = jobs_.front();
       jobs_.pop_front();
     }
+    currentJobSeq_ = job.seq;
     try {
       if (job.kind == JobKind::kDispatch) {
         if (job.barrierFirst) runBarrier(job);
@@ -355,6 +391,7 @@ void ProxyChannel::proxyLoop() {
       }
       std::lock_guard<std::mutex> lock(mu_);
       doneSeq_ = job.seq;
+      userNotice_.clear();
       if (job.kind == JobKind::kDispatch) {
         ++stats_.dispatchRounds;
       } else {
@@ -362,9 +399,25 @@ void ProxyChannel::proxyLoop() {
       }
     } catch (...) {
       // Never let an exception escape the thread: the next call on the object rethrows it.
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!error_) error_ = std::current_exception();
-      jobs_.clear();
+      std::exception_ptr failure = std::current_exception();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!error_) error_ = failure;
+        jobs_.clear();
+      }
+      // The peers waiting for this rank learn at once that the round is lost (unless a peer's notice ended it:
+      // every rank got that one).
+      if (!failedByNotice_.load()) {
+        try {
+          std::rethrow_exception(failure);
+        } catch (const Error& e) {
+          sendNotice(job.kind == JobKind::kCombine ? 1 : 0, job.round, true, e.code(), e.message());
+        } catch (const std::exception& e) {
+          sendNotice(job.kind == JobKind::kCombine ? 1 : 0, job.round, true, ErrorCode::kInternal, e.what());
+        } catch (...) {
+          sendNotice(job.kind == JobKind::kCombine ? 1 : 0, job.round, true, ErrorCode::kInternal, "unknown error");
+        }
+      }
     }
     cv_.notify_all();
   }
@@ -401,6 +454,7 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
     if (senders.empty()) break;
     std::sort(senders.begin(), senders.end());
     checkDtypes();
+    checkNotices(phase < Phase::kCombineBf16 ? 0 : 1, round, senders, currentJobSeq_);
     try {
       engine_->checkErrors();
     } catch (const Error& e) {
@@ -420,6 +474,18 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
       // A long wait (large rounds): this thread drives the engine itself, so the peers' writes progress without a
       // hand-off to the progress thread, which steps back meanwhile (one polling thread per rank, not two).
       const uint32_t s0 = senders.front();
+      if (driver_ != nullptr) {
+        // In slices, so that a peer's notice is seen within milliseconds; the loop above consumes the arrival.
+        const uint32_t imm = encodeImm(objectId_, phase, round, s0);
+        try {
+          driveFor([&] { return engine_->immCount(imm) >= 1 || noticePending(); }, 20);
+        } catch (const Error& e) {
+          checkDtypes();
+          rethrowEngineError(
+              e, prefix(what, round) + ": while waiting for " + phaseName(phase) + " from " + rankList(senders));
+        }
+        continue;
+      }
       std::ostringstream oss;
       oss << prefix(what, round) << ": no " << phaseName(phase) << " from rank " << s0;
       try {
@@ -444,8 +510,14 @@ void ProxyChannel::waitLocalCompletions(const char* what, uint32_t round) {
       rethrowEngineError(e, prefix(what, round) + ": a write of this rank to " + rankList(peerRanks_) + " failed");
     }
     EPCOMM_CHECK(!stop_.load(), kInternal, prefix(what, round) << ": abandoned (object destroyed)");
+    checkNotices(std::strcmp(what, "combine") == 0 ? 1 : 0, round, {}, currentJobSeq_);
     if (nowUs() - startUs < kDriveAfterUs) {
       backoff.pause();
+      continue;
+    }
+    if (driver_ != nullptr) {
+      // In slices, as in waitFromPeers; the engine fails an operation that outlives its deadline (checkErrors).
+      driveFor([&] { return localDone_.load(std::memory_order_acquire) >= localPosted_ || noticePending(); }, 20);
       continue;
     }
     // As in waitFromPeers: a long wait drives the engine from this thread (bounded by the engine's timeout).
@@ -455,6 +527,129 @@ void ProxyChannel::waitLocalCompletions(const char* what, uint32_t round) {
       engine_->waitCounter(localDone_, localPosted_, oss.str());
     } catch (const Error& e) {
       rethrowEngineError(e, prefix(what, round) + ": a write of this rank to " + rankList(peerRanks_) + " failed");
+    }
+  }
+}
+
+bool ProxyChannel::driveFor(const std::function<bool()>& done, int64_t budgetMs) {
+  if (driver_ != nullptr) return driver_->driveUntil(done, budgetMs);
+  const int64_t deadline = nowMs() + budgetMs;
+  Backoff backoff;
+  while (!done() && nowMs() < deadline) backoff.pause();
+  return done();
+}
+
+bool ProxyChannel::noticePending() const {
+  for (uint32_t s : peerRanks_) {
+    if (engine_->immCount(encodeImm(objectId_, Phase::kNotice, 0, s)) > 0) return true;
+  }
+  return false;
+}
+
+void ProxyChannel::sendNotice(uint32_t kind, uint32_t round, bool fatal, ErrorCode code, const std::string& text) {
+  if (peerRanks_.empty() || noticeMr_ == nullptr) return;
+  try {
+    std::lock_guard<std::mutex> lock(noticeMu_);
+    // The outgoing slot is the source of the previous notice's writes: let them leave first (bounded: a write to a
+    // dead peer may never complete, and a notice is best effort).
+    const int64_t deadline = nowMs() + 1000;
+    Backoff backoff;
+    while (noticeDone_.load() < noticePosted_ && nowMs() < deadline) backoff.pause();
+    NoticeWire w{};
+    w.seq = ++noticeSeq_;
+    w.round = round;
+    w.kind = static_cast<uint8_t>(kind);
+    w.fatal = fatal ? 1 : 0;
+    w.code = static_cast<int32_t>(code);
+    w.length = static_cast<uint16_t>(std::min<size_t>(text.size(), sizeof(w.text)));
+    std::memcpy(w.text, text.data(), w.length);
+    w.seqEnd = w.seq;
+    const uint64_t outgoing = static_cast<uint64_t>(world_) * kNoticeBytes;
+    std::memcpy(noticeBuf_.get() + outgoing, &w, sizeof(w));
+    fabric::Completion done;
+    done.counter = &noticeDone_;
+    for (uint32_t p : peerRanks_) {
+      ++noticePosted_;
+      engine_->write(peerIds_[p], *noticeMr_, outgoing, noticeDescs_[p], static_cast<uint64_t>(rank_) * kNoticeBytes,
+                     kNoticeBytes, true, encodeImm(objectId_, Phase::kNotice, 0, rank_), done);
+    }
+  } catch (...) {
+    // Best effort: without the notice the peers still end their waits at the timeout.
+  }
+}
+
+void ProxyChannel::noticeRefused(bool combine, const std::string& message) {
+  // The round the call belonged to: the next dispatch, or the combine of the last one.
+  const uint32_t round = combine ? (round_ > 0 ? round_ - 1 : 0) : round_;
+  sendNotice(combine ? 1 : 0, round, false, ErrorCode::kInvalidArgument, message);
+}
+
+void ProxyChannel::noticeAbandoned(const std::string& message) {
+  {
+    // A broken channel told its peers already (its own error), or was told (a peer's notice reached every rank).
+    std::lock_guard<std::mutex> lock(mu_);
+    if (error_) return;
+  }
+  sendNotice(2, round_, true, ErrorCode::kPeerFailure, message);
+}
+
+void ProxyChannel::checkNotices(uint32_t kind, uint32_t round, const std::vector<uint32_t>& awaited, uint64_t jobSeq) {
+  const uint64_t here = 2ull * round + kind;  // rounds in call order: dispatch r, combine r, dispatch r + 1, ...
+  for (uint32_t s : peerRanks_) {
+    Notice& n = notices_[s];
+    const uint32_t imm = encodeImm(objectId_, Phase::kNotice, 0, s);
+    const uint64_t arrived = engine_->immCount(imm);
+    if (arrived > 0) {
+      engine_->waitImm(imm, arrived, "notice");  // consumes them; returns at once
+      n.unread = true;
+    }
+    if (n.unread) {
+      NoticeWire w;
+      std::memcpy(&w, noticeBuf_.get() + static_cast<uint64_t>(s) * kNoticeBytes, sizeof(w));
+      // A newer notice may be landing over it: read again at the next check.
+      if (w.seq != 0 && w.seq == w.seqEnd && w.seq > n.seq) {
+        n.seq = w.seq;
+        n.round = w.round;
+        n.kind = w.kind;
+        n.fatal = w.fatal != 0;
+        n.code = w.code;
+        n.text.assign(w.text, std::min<size_t>(w.length, sizeof(w.text)));
+        n.unread = false;
+        n.handled = false;
+      }
+    }
+    if (n.seq == 0 || n.handled) continue;
+    const char* call = n.kind == 1 ? "combine" : "dispatch";
+    if (n.fatal) {
+      const std::string what = n.kind == 2 ? std::string(" left") : std::string(" aborted ") + call;
+      n.handled = true;
+      failedByNotice_ = true;
+      // Argument errors were the peer's; here they are a peer failure. A timeout or a transfer error keeps its code.
+      const ErrorCode code = n.code == static_cast<int32_t>(ErrorCode::kInvalidArgument) ||
+                                     n.code == static_cast<int32_t>(ErrorCode::kInvalidConfig)
+                                 ? ErrorCode::kPeerFailure
+                                 : static_cast<ErrorCode>(n.code);
+      std::ostringstream oss;
+      oss << prefix(kind == 1 ? "combine" : "dispatch", round) << ": rank " << s << what << ": " << n.text
+          << "; this object cannot continue: destroy it and create a new one";
+      detail::throwError(code, oss.str(), __FILE__, __LINE__);
+    }
+    const uint64_t theirs = 2ull * n.round + n.kind;
+    if (theirs < here) {
+      n.handled = true;  // about a step this rank finished
+    } else if (theirs == here) {
+      n.handled = true;
+      if (std::find(awaited.begin(), awaited.end(), s) == awaited.end()) continue;  // its data came after all
+      std::ostringstream oss;
+      oss << prefix(call, round) << ": rank " << s << " aborted " << call << ": " << n.text
+          << " (nothing was sent: this call failed, the object is usable; call " << call
+          << " with doSend = false to wait on if rank " << s << " calls again, or destroy the object)";
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        userNotice_ = oss.str();
+        userNoticeSeq_ = jobSeq;
+      }
+      cv_.notify_all();
     }
   }
 }

@@ -23,8 +23,15 @@
 
 #include "epcomm/bootstrap.hpp"
 #include "epcomm/config.hpp"
+#include "epcomm/error.hpp"
 #include "epcomm/fabric/transfer_engine.hpp"
 #include "proxy/protocol.hpp"
+
+namespace epcomm {
+namespace fabric {
+class EngineBase;
+}  // namespace fabric
+}  // namespace epcomm
 
 namespace epcomm {
 namespace proxy {
@@ -141,6 +148,15 @@ class ProxyChannel {
   /// The engine the channel writes with (e.g. to ask whether its provider registers GPU memory).
   fabric::TransferEngine& engine() { return *engine_; }
 
+  /// Tells every peer that this rank refused its call of a round before sending anything (an argument check
+  /// failed): a peer waiting for this rank's data raises kPeerFailure with `message` at once instead of running
+  /// into the timeout, and may wait on (the round goes on if this rank calls again). `combine`: the combine of the
+  /// last dispatch; else the next dispatch. Best effort: never throws.
+  void noticeRefused(bool combine, const std::string& message);
+  /// Tells every peer that this rank gives the object up mid-round (e.g. destroys it after a failed call): their
+  /// waits for it end at once with `message`, and their objects are unusable from then on. Never throws.
+  void noticeAbandoned(const std::string& message);
+
   /// A copy of the counters.
   ChannelStats stats() const;
   /// Rethrows the error that broke the channel, if any.
@@ -171,6 +187,25 @@ class ProxyChannel {
   void waitJob(uint64_t seq, const char* what);
   std::string prefix(const char* phase, uint32_t round) const;
 
+  // Notices (NoticeWire): a peer that refused a call or gave a round up, so that waits for it end at once.
+  struct Notice {
+    uint32_t seq = 0;  // 0: none yet
+    uint32_t round = 0;
+    uint8_t kind = 0;
+    bool fatal = false;
+    int32_t code = 0;
+    std::string text;
+    bool unread = false;   // an immediate arrived whose notice was not read yet
+    bool handled = false;  // raised (or found stale) already
+  };
+  void sendNotice(uint32_t kind, uint32_t round, bool fatal, ErrorCode code, const std::string& text);
+  // Reads the notices that arrived (exchanging thread only). Raises a peer's fatal notice; hands a refusal by a
+  // peer in `awaited` for this job (kind, round) to the caller waiting in waitJob (jobSeq).
+  void checkNotices(uint32_t kind, uint32_t round, const std::vector<uint32_t>& awaited, uint64_t jobSeq);
+  // Waits until done() or budgetMs, driving the engine from this thread when it can.
+  bool driveFor(const std::function<bool()>& done, int64_t budgetMs);
+  bool noticePending() const;
+
   Config config_;
   ProtocolSizes sizes_;
   std::function<void(Phase)> onPosted_;
@@ -186,6 +221,8 @@ class ProxyChannel {
   static std::unique_ptr<uint8_t, FreeBytes> allocBytes(uint64_t bytes);
   std::unique_ptr<uint8_t, FreeBytes> sendBuf_, recvBuf_, combineSendBuf_, combineRecvBuf_;
   uint64_t combineSendCapacity_ = 0;  // bytes of combineSendBuf_ (registered); grows, never shrinks
+  // Notice slots (NoticeWire): W incoming, then this rank's outgoing one. Outlives the engine, like the buffers above.
+  std::unique_ptr<uint8_t, FreeBytes> noticeBuf_;
   std::unique_ptr<fabric::TransferEngine> engine_;
   std::unique_ptr<fabric::MemoryRegion> sendMr_, recvMr_, combineSendMr_, combineRecvMr_;
   std::vector<fabric::PeerId> peerIds_;                           // by rank (self: unused)
@@ -208,6 +245,20 @@ class ProxyChannel {
   std::exception_ptr error_;
   std::atomic<bool> stop_{false};
   ChannelStats stats_;
+
+  std::unique_ptr<fabric::MemoryRegion> noticeMr_;
+  std::vector<fabric::MemoryDesc> noticeDescs_;  // by rank
+  fabric::EngineBase* driver_ = nullptr;         // the engine, when it can be driven in slices (driveUntil)
+  std::vector<Notice> notices_;                  // by sender; the exchanging thread's
+  uint64_t currentJobSeq_ = 0;                   // job the exchanging thread runs (for notices to waitJob)
+  std::string userNotice_;                       // a peer's refusal for the caller waiting on userNoticeSeq_
+  uint64_t userNoticeSeq_ = 0;
+  std::atomic<bool> failedByNotice_{false};  // the exchange failed because of a peer's notice: do not echo it
+  std::mutex noticeMu_;                      // serialises sendNotice
+  uint32_t noticeSeq_ = 0;
+  std::atomic<uint64_t> noticeDone_{0};
+  uint64_t noticePosted_ = 0;
+
   std::thread thread_;
 };
 

@@ -224,35 +224,10 @@ enum class CallMode {
   kSplit,  ///< dispatch(send), dispatch(recv), combine(send), combine(recv) as four calls.
 };
 
-/// Runs round `round` on `a2a` (this process = `rank`), then the reference for all ranks, and compares this
-/// rank's outputs bitwise. Returns false (after gtest failures) on a mismatch.
-inline bool checkedRound(AllToAll& a2a, const Scenario& sc, uint32_t rank, uint32_t round,
-                         CallMode mode = CallMode::kFused) {
-  const std::vector<RankInputs> in = makeRound(sc, round);
-  DispatchOutputs mine(sc);
-  DispatchArgs da = dispatchArgs(in[rank], mine);
-  if (mode == CallMode::kFused) {
-    a2a.dispatch(da);
-  } else {
-    da.doRecv = false;
-    a2a.dispatch(da);
-    da.doSend = false;
-    da.doRecv = true;
-    a2a.dispatch(da);
-  }
-  reference::HostTensor out = copyOf(in[rank].outInit);
-  CombineArgs ca = combineArgs(in[rank], out);
-  ca.accumulate = sc.accumulate;
-  if (mode == CallMode::kFused) {
-    a2a.combine(ca);
-  } else {
-    ca.doRecv = false;
-    a2a.combine(ca);
-    ca.doSend = false;
-    ca.doRecv = true;
-    a2a.combine(ca);
-  }
-
+/// Compares this rank's outputs of round `round` (dispatch outputs `mine`, combine output `out`) bitwise with the
+/// CPU reference run for all ranks. Returns false (after gtest failures) on a mismatch.
+inline bool matchesReference(const Scenario& sc, uint32_t rank, uint32_t round, const std::vector<RankInputs>& in,
+                             const DispatchOutputs& mine, const reference::HostTensor& out) {
   const Config c = sc.config(0);
   std::vector<DispatchOutputs> ref;
   ref.reserve(sc.W);
@@ -284,6 +259,37 @@ inline bool checkedRound(AllToAll& a2a, const Scenario& sc, uint32_t rank, uint3
   // The combine sums in the reference's order (fp32, k ascending, one rounding), so it is bitwise equal too.
   same(out, refOut[rank], "outTokens");
   return ok;
+}
+
+/// Runs round `round` on `a2a` (this process = `rank`), then the reference for all ranks, and compares this
+/// rank's outputs bitwise. Returns false (after gtest failures) on a mismatch.
+inline bool checkedRound(AllToAll& a2a, const Scenario& sc, uint32_t rank, uint32_t round,
+                         CallMode mode = CallMode::kFused) {
+  const std::vector<RankInputs> in = makeRound(sc, round);
+  DispatchOutputs mine(sc);
+  DispatchArgs da = dispatchArgs(in[rank], mine);
+  if (mode == CallMode::kFused) {
+    a2a.dispatch(da);
+  } else {
+    da.doRecv = false;
+    a2a.dispatch(da);
+    da.doSend = false;
+    da.doRecv = true;
+    a2a.dispatch(da);
+  }
+  reference::HostTensor out = copyOf(in[rank].outInit);
+  CombineArgs ca = combineArgs(in[rank], out);
+  ca.accumulate = sc.accumulate;
+  if (mode == CallMode::kFused) {
+    a2a.combine(ca);
+  } else {
+    ca.doRecv = false;
+    a2a.combine(ca);
+    ca.doSend = false;
+    ca.doRecv = true;
+    a2a.combine(ca);
+  }
+  return matchesReference(sc, rank, round, in, mine, out);
 }
 
 }  // namespace test

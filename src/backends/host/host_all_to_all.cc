@@ -4,6 +4,7 @@
 
 #include "backends/backends.hpp"
 #include "backends/host/host_kernels.hpp"
+#include "core/routing_digest.hpp"
 #include "epcomm/error.hpp"
 #include "epcomm/fabric/transfer_engine.hpp"
 
@@ -21,7 +22,15 @@ HostAllToAll::HostAllToAll(const Config& config, Bootstrap& bootstrap, const Hos
   channel_ = std::make_unique<proxy::ProxyChannel>(config_, bootstrap, options);
 }
 
-HostAllToAll::~HostAllToAll() = default;
+HostAllToAll::~HostAllToAll() {
+  // Peers that may still wait for this rank (a round in progress, a refused send half) learn at once that it left.
+  if (order_.state() != CallOrder::State::kIdle || refusedSend_) {
+    // A peer keeps the latest notice of this rank only: a refusal's message travels on in this one.
+    channel_->noticeAbandoned(refusedSend_ ? "it destroyed its object after refusing " + refusedMessage_
+                                           : std::string("it destroyed its object while '") +
+                                                 CallOrder::name(order_.state()) + "'");
+  }
+}
 
 uint32_t HostAllToAll::boundOf(const int32_t* boundM, uint32_t m, const char* op) const {
   if (boundM == nullptr) return m;
@@ -33,15 +42,33 @@ uint32_t HostAllToAll::boundOf(const int32_t* boundM, uint32_t m, const char* op
 
 void HostAllToAll::dispatch(const DispatchArgs& args) {
   channel_->rethrowIfBroken();
-  const CheckedDispatch checked = checkDispatchArgs(config_, args, MemoryKind::kHost, -1);
-  const proxy::ProtocolSizes& s = channel_->sizes();
   order_.checkDispatch(args.doSend, args.doRecv);
+  const proxy::ProtocolSizes& s = channel_->sizes();
+  CheckedDispatch checked;
+  try {
+    checked = checkDispatchArgs(config_, args, MemoryKind::kHost, -1);
+    if (args.doSend) {
+      // Everything that can refuse the call runs before anything is posted: a refused call sends nothing.
+      std::vector<uint8_t*> slots(s.worldSize);
+      for (uint32_t p = 0; p < s.worldSize; ++p) slots[p] = channel_->sendSlot(p);
+      const uint32_t bound = boundOf(args.boundM, checked.m, "dispatch");
+      DispatchSendParams params{&s, &args, checked, bound, slots.data()};
+      dispatchSendKernel(params);
+      routingDigest_ = routingDigestOf(args.indices.data, checked.indexKind, checked.indexStrides[0],
+                                       checked.indexStrides[1], config_.expertsPerToken, bound);
+      routingBound_ = bound;
+    }
+  } catch (const Error& e) {
+    if (args.doSend) {
+      refusedSend_ = true;
+      refusedMessage_ = "dispatch: " + e.message();
+      channel_->noticeRefused(false, e.message());
+    }
+    throw;
+  }
   if (args.doSend) {
-    std::vector<uint8_t*> slots(s.worldSize);
-    for (uint32_t p = 0; p < s.worldSize; ++p) slots[p] = channel_->sendSlot(p);
-    DispatchSendParams params{&s, &args, checked, boundOf(args.boundM, checked.m, "dispatch"), slots.data()};
-    dispatchSendKernel(params);
     channel_->postDispatch();
+    refusedSend_ = false;
     order_.dispatched(true, false);
   }
   if (args.doRecv) {
@@ -53,17 +80,59 @@ void HostAllToAll::dispatch(const DispatchArgs& args) {
   }
 }
 
+void HostAllToAll::checkSameRouting(const CombineArgs& args, const CheckedCombine& checked, uint32_t bound) const {
+  const uint32_t K = config_.expertsPerToken, E = config_.numExperts;
+  const uint64_t digest =
+      routingDigestOf(args.indices.data, checked.indexKind, checked.indexStrides[0], checked.indexStrides[1], K, bound);
+  if (digest == routingDigest_) return;
+  // Name what differs where it can be named without the dispatched indices: an index out of range, boundM.
+  for (uint32_t t = 0; t < bound; ++t) {
+    for (uint32_t k = 0; k < K; ++k) {
+      const int64_t e =
+          decodeIndex(args.indices.data, checked.indexKind, t * checked.indexStrides[0] + k * checked.indexStrides[1]);
+      EPCOMM_CHECK(e >= -1 && e < static_cast<int64_t>(E), kInvalidArgument,
+                   "rank " << config_.rank << " token " << t << " position k=" << k << " has expert index " << e
+                           << ", outside [0, " << E << ") and not -1");
+    }
+  }
+  EPCOMM_CHECK(bound == routingBound_, kInvalidArgument,
+               "host backend rank " << config_.rank << " combine: boundM = " << bound << " but the dispatch had "
+                                    << routingBound_ << " (combine must use the routing that was dispatched)");
+  EPCOMM_THROW(kInvalidArgument, "host backend rank "
+                                     << config_.rank
+                                     << " combine: indices differ from the dispatched ones (routing digest); combine "
+                                        "must use the indices that were dispatched");
+}
+
 void HostAllToAll::combine(const CombineArgs& args) {
   channel_->rethrowIfBroken();
-  const CheckedCombine checked = checkCombineArgs(config_, args, MemoryKind::kHost, -1);
-  const proxy::ProtocolSizes& s = channel_->sizes();
   order_.checkCombine(args.doSend, args.doRecv);
+  const proxy::ProtocolSizes& s = channel_->sizes();
+  CheckedCombine checked;
+  uint32_t bound = 0;
+  try {
+    checked = checkCombineArgs(config_, args, MemoryKind::kHost, -1);
+    if (args.doRecv) {
+      bound = boundOf(args.boundM, checked.m, "combine");
+      checkSameRouting(args, checked, bound);
+    }
+    if (args.doSend) {
+      const uint64_t rowBytes = static_cast<uint64_t>(config_.hiddenDim) * dtypeSize(args.expertY.dtype);
+      CombineSendParams params{&s, &channel_->layout(), &args, checked, channel_->combineSendBufferFor(rowBytes)};
+      combineSendKernel(params);
+    }
+  } catch (const Error& e) {
+    if (args.doSend) {
+      refusedSend_ = true;
+      refusedMessage_ = "combine: " + e.message();
+      channel_->noticeRefused(true, e.message());
+    }
+    throw;
+  }
   if (args.doSend) {
-    const uint64_t rowBytes = static_cast<uint64_t>(config_.hiddenDim) * dtypeSize(args.expertY.dtype);
-    CombineSendParams params{&s, &channel_->layout(), &args, checked, channel_->combineSendBufferFor(rowBytes)};
-    combineSendKernel(params);
     yDtype_ = args.expertY.dtype;
     channel_->postCombine(yDtype_);
+    refusedSend_ = false;
     order_.combined(true, false);
   }
   if (args.doRecv) {
@@ -72,7 +141,7 @@ void HostAllToAll::combine(const CombineArgs& args) {
                              &channel_->layout(),
                              &args,
                              checked,
-                             boundOf(args.boundM, checked.m, "combine"),
+                             bound,
                              yDtype_,
                              channel_->combineSendBuffer(),
                              channel_->combineRecvBuffer()};

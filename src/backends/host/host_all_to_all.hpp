@@ -22,6 +22,12 @@ using HostStats = proxy::ChannelStats;
 
 /// See the file comment. Tensors live in host memory. dispatch/combine with doSend only return once the data is
 /// posted (the proxy thread moves it); doRecv blocks, bounded by the timeout.
+///
+/// Errors: a call refused by a check (arguments, call order, expert indices, boundM, combine indices that differ
+/// from the dispatched ones) sends nothing and leaves the object as it was, so the corrected call goes on; a refused
+/// send half also tells the peers (their waits for this rank end at once with its message, see
+/// ProxyChannel::noticeRefused). An error of the exchange itself (timeout, transfer, a peer that gave up) leaves the
+/// object unusable: every later call rethrows it; destroy the object and create a new one.
 class HostAllToAll final : public AllToAll {
  public:
   /// Collective over `bootstrap`.
@@ -44,6 +50,8 @@ class HostAllToAll final : public AllToAll {
 
  private:
   uint32_t boundOf(const int32_t* boundM, uint32_t m, const char* op) const;
+  // Throws kInvalidArgument unless the combine's indices and boundM are those of the last dispatch (digest).
+  void checkSameRouting(const CombineArgs& args, const CheckedCombine& checked, uint32_t bound) const;
 
   Config config_;
   std::unique_ptr<proxy::ProxyChannel> channel_;
@@ -51,6 +59,12 @@ class HostAllToAll final : public AllToAll {
   /// may repeat without a combine in between (as this backend always allowed).
   CallOrder order_;
   DType yDtype_ = DType::kInvalid;
+  /// routingDigest (core/routing_digest.hpp) of the last dispatch's indices and boundM, which combine must reuse.
+  uint64_t routingDigest_ = 0;
+  uint32_t routingBound_ = 0;
+  /// A send half was refused (peers were told) and not yet followed by one that went through.
+  bool refusedSend_ = false;
+  std::string refusedMessage_;
 };
 
 }  // namespace host
