@@ -47,9 +47,10 @@ struct DispatchArgs {
 /// accumulated in fp32 in a fixed order, for t < boundM on every rank of the DP group. Rows >= boundM are
 /// not written.
 struct CombineArgs {
-  /// [m, H] bf16 / fp16 / fp32, rows contiguous inside.
+  /// [>= m, H] bf16 / fp16 / fp32, rows contiguous inside. Rows >= m (and >= boundM) are not written, so one
+  /// buffer of maxNumTokens rows serves every batch (as pplx-kernels' callers pass it).
   TensorView outTokens;
-  /// [m, K], the same indices that were dispatched.
+  /// [m, K], the same indices that were dispatched; m = indices.shape[0] is the call's token count.
   TensorView indices;
   /// [m, K] fp32, any strides.
   TensorView weights;
