@@ -504,8 +504,9 @@ TEST(NvlinkGpu, W2PeerNeverDispatchesTimesOut) {
 }
 
 // Threads per block shape the protocol (the routing scan's tables, the work split), so ranks that would use different
-// counts are refused at setup, each naming the knob and both values. Here the counts differ through the batch size:
-// 256 tokens per rank take 256-thread blocks, 257 take 512 (EPCOMM_NVLINK_BLOCKS keeps the block counts equal).
+// counts are refused at setup, each naming the knob and both values. Here the counts differ through the batch size: a
+// call of 128 tokens per rank on two ranks (256 tokens) takes 256-thread blocks, one of 129 (258) takes 512
+// (EPCOMM_NVLINK_BLOCKS keeps the block counts equal).
 TEST(NvlinkGpu, W2RanksThatDisagreeOnThreadsAreRefused) {
   REQUIRE_GPUS(2);
   ScopedEnv env({{"EPCOMM_NVLINK_BLOCKS", "66"}});  // read once per process, in the children
@@ -516,7 +517,7 @@ TEST(NvlinkGpu, W2RanksThatDisagreeOnThreadsAreRefused) {
         CUDA_OK(cudaGetDeviceCount(&count));
         CUDA_OK(cudaSetDevice(rank % count));
         Scenario s = base(2);
-        s.maxTokens = rank == 0 ? 256 : 257;
+        s.maxTokens = rank == 0 ? 128 : 129;
         try {
           std::unique_ptr<AllToAll> a2a = createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "nvlink");
           ADD_FAILURE() << "rank " << rank << ": ranks with 256- and 512-thread blocks were not refused";

@@ -35,7 +35,7 @@ using nvlink::Geometry;
 // Tokens of one call of `c` on one rank at most (every dp group's): what the block shape follows.
 uint64_t batchTokens(const Config& c) { return static_cast<uint64_t>(c.maxNumTokens) * c.numDpGroups(); }
 
-// Threads per block: 256 for batches of up to 256 tokens per rank (kSmallThreads), else 512 (kMaxThreads);
+// Threads per block: 256 when batchTokens is at most 256 (kSmallThreads), else 512 (kMaxThreads);
 // EPCOMM_NVLINK_THREADS overrides. With 256 a kernel takes twice the blocks of half the size: the same warps and
 // registers, spread over every SM instead of half of them (2x H200, decode T = 128: dispatch and combine ~0.5 us
 // faster, docs/nvlink.md). Larger batches keep 512: a routing block of 8 warps scans 256 tokens per pass, and
