@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backends/backends.hpp"
+#include "backends/proxy/proxy_args.hpp"
 #include "backends/proxy/proxy_kernels.hpp"
 #include "backends/proxy/proxy_trace.hpp"
 #include "core/call_order.hpp"
@@ -37,10 +38,6 @@ namespace epcomm {
 namespace gpuproxy {
 
 namespace {
-
-// The combine element types as the kernels and the mailbox name them (0 bf16, 1 fp16, 2 fp32).
-int32_t combineCode(DType t) { return t == DType::kBf16 ? 0 : t == DType::kF16 ? 1 : 2; }
-DType combineDtype(int32_t code) { return code == 0 ? DType::kBf16 : code == 1 ? DType::kF16 : DType::kF32; }
 
 // The host half of the hand-off's memory ordering: the kernels store with st.release.sys and load with ld.acquire.sys.
 uint64_t loadAcquire(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
@@ -82,10 +79,9 @@ struct ProxyAllToAll::Impl {
   void release();
   void proxyLoop();
   bool waitDevice(const uint64_t* word, uint64_t want);
-  void publishTables();
   void checkUsable();
   void checkCurrentDevice() const;
-  DeviceState deviceState() const;
+  KernelContext context() const;
 
   Config config;
   int device = -1;
@@ -314,49 +310,6 @@ bool ProxyAllToAll::Impl::waitDevice(const uint64_t* word, uint64_t want) {
   }
 }
 
-// The round's tables for the receive and combine kernels, from the channel's RoundLayout (written before the
-// arrival word is released).
-void ProxyAllToAll::Impl::publishTables() {
-  const proxy::RoundLayout& lay = channel->layout();
-  const uint32_t W = tg.W, L = tg.L, G = tg.G, D = tg.D, E = tg.E, me = config.rank, g = me / D;
-  uint32_t* t = tables;
-  uint32_t at = 0;
-  for (uint32_t s = 0; s < W; ++s) {
-    t[tg.offEntries + s] = lay.entries(s, me);
-    t[tg.offEntryStart + s] = at;
-    at += lay.entries(s, me);
-    t[tg.offOverflowStart + s] = static_cast<uint32_t>(lay.overflowStart(s, me));
-  }
-  t[tg.offEntryStart + W] = at;
-  for (uint32_t le = 0; le < L; ++le) {
-    for (uint32_t s = 0; s <= W; ++s)
-      t[tg.offSlotOffset + le * (W + 1) + s] = static_cast<uint32_t>(lay.slotOffset(le, s));
-    t[tg.offOutputRowBase + le] = static_cast<uint32_t>(lay.outputRowBase(le));
-    t[tg.offLocalRows + le] = static_cast<uint32_t>(lay.localExpertRows(le));
-  }
-  at = 0;
-  for (uint32_t gg = 0; gg < G; ++gg) {
-    EPCOMM_CHECK(at == lay.combineSendStart(gg), kInternal,
-                 "proxy backend: combine send pieces of group " << gg << " start at row " << at << ", the layout says "
-                                                                << lay.combineSendStart(gg));
-    for (uint32_t le = 0; le < L; ++le) {
-      t[tg.offSendCum + gg * L + le] = at;
-      at += static_cast<uint32_t>(lay.slotOffset(le, (gg + 1) * D) - lay.slotOffset(le, gg * D));
-    }
-  }
-  t[tg.offSendCum + G * L] = at;
-  for (uint32_t p = 0; p < W; ++p) {
-    t[tg.offRecvStart + p] = static_cast<uint32_t>(p == me ? lay.combineSendStart(g) : lay.combineRecvStart(p));
-  }
-  for (uint32_t e = 0; e < E; ++e) {
-    uint64_t base = lay.combineExpertStart(e);
-    for (uint32_t d = 0; d < D; ++d) {
-      t[tg.offRowBase + d * E + e] = static_cast<uint32_t>(base);
-      base += lay.expertCount(g * D + d, e);
-    }
-  }
-}
-
 void ProxyAllToAll::Impl::proxyLoop() {
   uint64_t round = 0;
   try {
@@ -365,7 +318,7 @@ void ProxyAllToAll::Impl::proxyLoop() {
       if (!waitDevice(&mailbox->dispatchReady, round + 1)) return;
       if (trace != nullptr) trace[round % kTraceRounds].proxySeen = hostNowNs();
       channel->exchangeDispatch();
-      publishTables();
+      writeTables(channel->layout(), tg, config.rank, tables);
       if (trace != nullptr) trace[round % kTraceRounds].proxyArrived = hostNowNs();
       storeRelease(&mailbox->dispatchArrived, round + 1);
       if (!waitDevice(&mailbox->combineReady, round + 1)) return;
@@ -452,14 +405,20 @@ void ProxyAllToAll::Impl::checkCurrentDevice() const {
                                      << " but this object lives on " << device);
 }
 
-DeviceState ProxyAllToAll::Impl::deviceState() const {
-  DeviceState st{};
-  st.scratch = scratch;
-  st.mailbox = mailboxDev;
-  st.trace = traceDev;
-  st.timeoutNs = static_cast<uint64_t>(channel->timeoutMs()) * 1000000ull;
-  st.sg = sg;
-  return st;
+KernelContext ProxyAllToAll::Impl::context() const {
+  KernelContext ctx;
+  ctx.sizes = sizes;
+  ctx.tg = tg;
+  ctx.st = DeviceState{};
+  ctx.st.scratch = scratch;
+  ctx.st.mailbox = mailboxDev;
+  ctx.st.trace = traceDev;
+  ctx.st.timeoutNs = static_cast<uint64_t>(channel->timeoutMs()) * 1000000ull;
+  ctx.st.sg = sg;
+  ctx.ch = view;
+  ctx.maxNumTokens = config.maxNumTokens;
+  ctx.hidden = config.hiddenDim;
+  return ctx;
 }
 
 ProxyAllToAll::ProxyAllToAll(const Config& config, Bootstrap& bootstrap, const proxy::ChannelOptions& options)
@@ -474,49 +433,13 @@ void ProxyAllToAll::dispatch(const DispatchArgs& a) {
   m.order.checkDispatch(a.doSend, a.doRecv);
   m.checkCurrentDevice();
   if (a.doSend) {
-    DispatchSendArgs k;
-    std::memset(static_cast<void*>(&k), 0, sizeof k);
-    k.sizes = m.sizes;
-    k.tg = m.tg;
-    k.st = m.deviceState();
-    k.ch = m.view;
-    k.x = static_cast<const uint8_t*>(a.x.data);
-    k.xRowStrideBytes = c.xRowStrideBytes;
-    k.xScale = static_cast<const uint8_t*>(a.xScale.data);
-    k.xScaleStrides[0] = c.scaleStrides[0];
-    k.xScaleStrides[1] = c.scaleStrides[1];
-    k.indices = a.indices.data;
-    k.indexKind = c.indexKind;
-    k.indexStrides[0] = c.indexStrides[0];
-    k.indexStrides[1] = c.indexStrides[1];
-    k.m = c.m;
-    k.maxNumTokens = m.config.maxNumTokens;
-    k.boundM = a.boundM;
-    const int rc = launchDispatchSend(k, m.blocks, a.stream);
+    const int rc = launchDispatchSend(dispatchSendArgs(m.context(), a, c), m.blocks, a.stream);
     EPCOMM_CHECK(rc == 0, kCuda,
                  "proxy backend rank " << m.config.rank << ": dispatch send launch failed: "
                                        << cudaGetErrorString(static_cast<cudaError_t>(rc)));
   }
   if (a.doRecv) {
-    DispatchRecvArgs k;
-    std::memset(static_cast<void*>(&k), 0, sizeof k);
-    k.sizes = m.sizes;
-    k.tg = m.tg;
-    k.st = m.deviceState();
-    k.ch = m.view;
-    k.outNumTokens = static_cast<int32_t*>(a.outExpertNumTokens.data);
-    k.outX = static_cast<uint8_t*>(a.outExpertX.data);
-    k.outExpertStrideBytes = c.outExpertStrideBytes;
-    k.outRowStrideBytes = c.outRowStrideBytes;
-    k.outScale = static_cast<uint8_t*>(a.outExpertXScale.data);
-    if (m.config.layout == Layout::kPacked) {
-      k.outScaleStrides[0] = 0;
-      k.outScaleStrides[1] = c.outScaleStrides[0];
-      k.outScaleStrides[2] = c.outScaleStrides[1];
-    } else {
-      for (int d = 0; d < 3; ++d) k.outScaleStrides[d] = c.outScaleStrides[d];
-    }
-    const int rc = launchDispatchRecv(k, m.blocks, a.stream);
+    const int rc = launchDispatchRecv(dispatchRecvArgs(m.context(), a, c), m.blocks, a.stream);
     EPCOMM_CHECK(rc == 0, kCuda,
                  "proxy backend rank " << m.config.rank << ": dispatch receive launch failed: "
                                        << cudaGetErrorString(static_cast<cudaError_t>(rc)));
@@ -531,18 +454,7 @@ void ProxyAllToAll::combine(const CombineArgs& a) {
   m.order.checkCombine(a.doSend, a.doRecv);
   m.checkCurrentDevice();
   if (a.doSend) {
-    CombineSendArgs k;
-    std::memset(static_cast<void*>(&k), 0, sizeof k);
-    k.sizes = m.sizes;
-    k.tg = m.tg;
-    k.st = m.deviceState();
-    k.ch = m.view;
-    k.y = static_cast<const uint8_t*>(a.expertY.data);
-    k.yExpertStride = c.yExpertStride;
-    k.yRowStride = c.yRowStride;
-    k.yType = combineCode(a.expertY.dtype);
-    k.itemBytes = static_cast<uint32_t>(dtypeSize(a.expertY.dtype));
-    k.hidden = m.config.hiddenDim;
+    const CombineSendArgs k = combineSendArgs(m.context(), a, c);
     const int rc = launchCombineSend(k, m.blocks, a.stream);
     EPCOMM_CHECK(rc == 0, kCuda,
                  "proxy backend rank " << m.config.rank << ": combine send launch failed: "
@@ -550,28 +462,7 @@ void ProxyAllToAll::combine(const CombineArgs& a) {
     m.combineSendType = k.yType;
   }
   if (a.doRecv) {
-    CombineRecvArgs k;
-    std::memset(static_cast<void*>(&k), 0, sizeof k);
-    k.sizes = m.sizes;
-    k.tg = m.tg;
-    k.st = m.deviceState();
-    k.ch = m.view;
-    k.hidden = m.config.hiddenDim;
-    k.yType = m.combineSendType;
-    k.outType = combineCode(a.outTokens.dtype);
-    k.out = static_cast<uint8_t*>(a.outTokens.data);
-    k.outRowStride = c.outRowStride;
-    k.indices = a.indices.data;
-    k.indexKind = c.indexKind;
-    k.indexStrides[0] = c.indexStrides[0];
-    k.indexStrides[1] = c.indexStrides[1];
-    k.weights = static_cast<const float*>(a.weights.data);
-    k.weightStrides[0] = c.weightStrides[0];
-    k.weightStrides[1] = c.weightStrides[1];
-    k.m = c.m;
-    k.boundM = a.boundM;
-    k.accumulate = a.accumulate ? 1 : 0;
-    const int rc = launchCombineRecv(k, m.blocks, a.stream);
+    const int rc = launchCombineRecv(combineRecvArgs(m.context(), a, c, m.combineSendType), m.blocks, a.stream);
     EPCOMM_CHECK(rc == 0, kCuda,
                  "proxy backend rank " << m.config.rank << ": combine receive launch failed: "
                                        << cudaGetErrorString(static_cast<cudaError_t>(rc)));

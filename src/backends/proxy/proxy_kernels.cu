@@ -13,11 +13,10 @@
 // Every wait is bounded: twice EPCOMM_TIMEOUT_MS (the proxy's own waits, which name the missing peer, fire first and
 // raise the mailbox's abort word, which stops the kernels' waits at once). A kernel that gives up records an error in
 // the host-mapped record and never traps.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "backends/proxy/proxy_kernels.hpp"
+#include "core/dtype_convert.hpp"
 #include "core/layout.hpp"
 #include "epcomm/device/ptx.cuh"
 
@@ -631,29 +630,25 @@ __global__ void __launch_bounds__(kCopyThreads) combineSendKernel(const CombineS
 
 // ---- Combine receive ---------------------------------------------------------------------------------------------
 
+// Conversions are core/dtype_convert.hpp's, the reference's own: the same rounding (nearest even) and NaN bits.
 template <int kType>
 __device__ __forceinline__ float toFloat(const uint8_t* p) {
-  if (kType == kBf16) {
-    const uint16_t b = ldVolatileU16(p);
-    return __uint_as_float(static_cast<uint32_t>(b) << 16);
-  } else if (kType == kF16) {
-    return __half2float(__ushort_as_half(ldVolatileU16(p)));
-  } else {
-    return __uint_as_float(ldVolatileU32(p));
-  }
+  if (kType == kBf16) return bf16ToFloat(ldVolatileU16(p));
+  if (kType == kF16) return f16ToFloat(ldVolatileU16(p));
+  return bitsFloat(ldVolatileU32(p));
 }
 template <int kType>
 __device__ __forceinline__ float loadOut(const uint8_t* p) {
-  if (kType == kBf16) return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(p));
-  if (kType == kF16) return __half2float(*reinterpret_cast<const __half*>(p));
+  if (kType == kBf16) return bf16ToFloat(*reinterpret_cast<const uint16_t*>(p));
+  if (kType == kF16) return f16ToFloat(*reinterpret_cast<const uint16_t*>(p));
   return *reinterpret_cast<const float*>(p);
 }
 template <int kType>
 __device__ __forceinline__ void storeOut(uint8_t* p, float v) {
   if (kType == kBf16) {
-    *reinterpret_cast<__nv_bfloat16*>(p) = __float2bfloat16_rn(v);
+    *reinterpret_cast<uint16_t*>(p) = floatToBf16(v);
   } else if (kType == kF16) {
-    *reinterpret_cast<__half*>(p) = __float2half_rn(v);
+    *reinterpret_cast<uint16_t*>(p) = floatToF16(v);
   } else {
     *reinterpret_cast<float*>(p) = v;
   }
@@ -668,20 +663,14 @@ template <int kY>
 __device__ __forceinline__ void unpack16(const int4 v, float* f) {
   const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
                          static_cast<uint32_t>(v.w)};
-  if (kY == kF32) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) f[i] = __uint_as_float(w[i]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < 4; ++i) {
+    if (kY == kF32) {
+      f[i] = bitsFloat(w[i]);
+    } else {
       const uint16_t lo = static_cast<uint16_t>(w[i] & 0xffff), hi = static_cast<uint16_t>(w[i] >> 16);
-      if (kY == kBf16) {
-        f[2 * i] = __uint_as_float(static_cast<uint32_t>(lo) << 16);
-        f[2 * i + 1] = __uint_as_float(static_cast<uint32_t>(hi) << 16);
-      } else {
-        f[2 * i] = __half2float(__ushort_as_half(lo));
-        f[2 * i + 1] = __half2float(__ushort_as_half(hi));
-      }
+      f[2 * i] = kY == kBf16 ? bf16ToFloat(lo) : f16ToFloat(lo);
+      f[2 * i + 1] = kY == kBf16 ? bf16ToFloat(hi) : f16ToFloat(hi);
     }
   }
 }

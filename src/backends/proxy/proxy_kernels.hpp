@@ -146,8 +146,8 @@ inline ScratchGeometry scratchGeometry(const proxy::ProtocolSizes& s, uint32_t m
   g.offClaimed = at;
   at += 4;
   g.offBound = at;
-  at += 8;
-  g.offArrived = at;
+  at += 4;
+  g.offArrived = at;  // 40: 8-byte aligned
   at = align(at + 16);
   g.offExperts = at;
   at = align(at + 4 * TK);

@@ -1,0 +1,138 @@
+#include "backends/proxy/proxy_args.hpp"
+
+#include <cstring>
+
+#include "epcomm/error.hpp"
+
+namespace epcomm {
+namespace gpuproxy {
+
+int32_t combineCode(DType t) { return t == DType::kBf16 ? 0 : t == DType::kF16 ? 1 : 2; }
+DType combineDtype(int32_t code) { return code == 0 ? DType::kBf16 : code == 1 ? DType::kF16 : DType::kF32; }
+
+namespace {
+
+// Zeroed (padding too), then the context's fields.
+template <typename Args>
+Args withContext(const KernelContext& ctx) {
+  Args k;
+  std::memset(static_cast<void*>(&k), 0, sizeof k);
+  k.sizes = ctx.sizes;
+  k.tg = ctx.tg;
+  k.st = ctx.st;
+  k.ch = ctx.ch;
+  return k;
+}
+
+}  // namespace
+
+DispatchSendArgs dispatchSendArgs(const KernelContext& ctx, const DispatchArgs& a, const CheckedDispatch& c) {
+  DispatchSendArgs k = withContext<DispatchSendArgs>(ctx);
+  k.x = static_cast<const uint8_t*>(a.x.data);
+  k.xRowStrideBytes = c.xRowStrideBytes;
+  k.xScale = static_cast<const uint8_t*>(a.xScale.data);
+  k.xScaleStrides[0] = c.scaleStrides[0];
+  k.xScaleStrides[1] = c.scaleStrides[1];
+  k.indices = a.indices.data;
+  k.indexKind = c.indexKind;
+  k.indexStrides[0] = c.indexStrides[0];
+  k.indexStrides[1] = c.indexStrides[1];
+  k.m = c.m;
+  k.maxNumTokens = ctx.maxNumTokens;
+  k.boundM = a.boundM;
+  return k;
+}
+
+DispatchRecvArgs dispatchRecvArgs(const KernelContext& ctx, const DispatchArgs& a, const CheckedDispatch& c) {
+  DispatchRecvArgs k = withContext<DispatchRecvArgs>(ctx);
+  k.outNumTokens = static_cast<int32_t*>(a.outExpertNumTokens.data);
+  k.outX = static_cast<uint8_t*>(a.outExpertX.data);
+  k.outExpertStrideBytes = c.outExpertStrideBytes;
+  k.outRowStrideBytes = c.outRowStrideBytes;
+  k.outScale = static_cast<uint8_t*>(a.outExpertXScale.data);
+  if (ctx.sizes.layout == Layout::kPacked) {
+    k.outScaleStrides[0] = 0;
+    k.outScaleStrides[1] = c.outScaleStrides[0];
+    k.outScaleStrides[2] = c.outScaleStrides[1];
+  } else {
+    for (int d = 0; d < 3; ++d) k.outScaleStrides[d] = c.outScaleStrides[d];
+  }
+  return k;
+}
+
+CombineSendArgs combineSendArgs(const KernelContext& ctx, const CombineArgs& a, const CheckedCombine& c) {
+  CombineSendArgs k = withContext<CombineSendArgs>(ctx);
+  k.y = static_cast<const uint8_t*>(a.expertY.data);
+  k.yExpertStride = c.yExpertStride;
+  k.yRowStride = c.yRowStride;
+  k.yType = combineCode(a.expertY.dtype);
+  k.itemBytes = static_cast<uint32_t>(dtypeSize(a.expertY.dtype));
+  k.hidden = ctx.hidden;
+  return k;
+}
+
+CombineRecvArgs combineRecvArgs(const KernelContext& ctx, const CombineArgs& a, const CheckedCombine& c,
+                                int32_t yType) {
+  CombineRecvArgs k = withContext<CombineRecvArgs>(ctx);
+  k.hidden = ctx.hidden;
+  k.yType = yType;
+  k.outType = combineCode(a.outTokens.dtype);
+  k.out = static_cast<uint8_t*>(a.outTokens.data);
+  k.outRowStride = c.outRowStride;
+  k.indices = a.indices.data;
+  k.indexKind = c.indexKind;
+  k.indexStrides[0] = c.indexStrides[0];
+  k.indexStrides[1] = c.indexStrides[1];
+  k.weights = static_cast<const float*>(a.weights.data);
+  k.weightStrides[0] = c.weightStrides[0];
+  k.weightStrides[1] = c.weightStrides[1];
+  k.m = c.m;
+  k.boundM = a.boundM;
+  k.accumulate = a.accumulate ? 1 : 0;
+  return k;
+}
+
+void writeTables(const proxy::RoundLayout& lay, const TableGeometry& tg, uint32_t me, uint32_t* t) {
+  const uint32_t W = tg.W, L = tg.L, G = tg.G, D = tg.D, E = tg.E, g = me / D;
+  uint32_t at = 0;
+  for (uint32_t s = 0; s < W; ++s) {
+    t[tg.offEntries + s] = lay.entries(s, me);
+    t[tg.offEntryStart + s] = at;
+    at += lay.entries(s, me);
+    t[tg.offOverflowStart + s] = static_cast<uint32_t>(lay.overflowStart(s, me));
+  }
+  t[tg.offEntryStart + W] = at;
+  for (uint32_t le = 0; le < L; ++le) {
+    for (uint32_t s = 0; s <= W; ++s) {
+      t[tg.offSlotOffset + le * (W + 1) + s] = static_cast<uint32_t>(lay.slotOffset(le, s));
+    }
+    t[tg.offOutputRowBase + le] = static_cast<uint32_t>(lay.outputRowBase(le));
+    t[tg.offLocalRows + le] = static_cast<uint32_t>(lay.localExpertRows(le));
+  }
+  // Combine send pieces (g, le): the rows of group g's senders for local expert le, in (g, le) order, which is the
+  // protocol's message to group g (expert-major) placed at combineSendStart(g).
+  at = 0;
+  for (uint32_t gg = 0; gg < G; ++gg) {
+    EPCOMM_CHECK(at == lay.combineSendStart(gg), kInternal,
+                 "proxy backend: combine send pieces of group " << gg << " start at row " << at << ", the layout says "
+                                                                << lay.combineSendStart(gg));
+    for (uint32_t le = 0; le < L; ++le) {
+      t[tg.offSendCum + gg * L + le] = at;
+      at += static_cast<uint32_t>(lay.slotOffset(le, (gg + 1) * D) - lay.slotOffset(le, gg * D));
+    }
+  }
+  t[tg.offSendCum + G * L] = at;
+  for (uint32_t p = 0; p < W; ++p) {
+    t[tg.offRecvStart + p] = static_cast<uint32_t>(p == me ? lay.combineSendStart(g) : lay.combineRecvStart(p));
+  }
+  for (uint32_t e = 0; e < E; ++e) {
+    uint64_t base = lay.combineExpertStart(e);
+    for (uint32_t d = 0; d < D; ++d) {
+      t[tg.offRowBase + d * E + e] = static_cast<uint32_t>(base);
+      base += lay.expertCount(g * D + d, e);
+    }
+  }
+}
+
+}  // namespace gpuproxy
+}  // namespace epcomm
