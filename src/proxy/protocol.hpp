@@ -135,8 +135,9 @@ constexpr uint32_t kEntryExpertsOffset = 6;
 /// private slot, the rest in the overflow region from `overflowStart` (s's start there, in entries; see
 /// RoundLayout::overflowStart). Usable in kernels.
 EPCOMM_HD uint64_t recvEntryOffset(const ProtocolSizes& sizes, uint32_t s, uint32_t j, uint64_t overflowStart) {
-  return j < sizes.privateTokens ? sizes.privateSlotOffset(s) + sizes.headBytes + j * sizes.entryBytes
-                                 : sizes.overflowOffset() + (overflowStart + j - sizes.privateTokens) * sizes.entryBytes;
+  return j < sizes.privateTokens
+             ? sizes.privateSlotOffset(s) + sizes.headBytes + j * sizes.entryBytes
+             : sizes.overflowOffset() + (overflowStart + j - sizes.privateTokens) * sizes.entryBytes;
 }
 
 /// The default private area: the expected entries from one sender, maxSendTokens * K / W (each token reaches a

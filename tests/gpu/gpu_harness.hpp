@@ -98,6 +98,8 @@ std::string runScenario(const Scenario& s, uint32_t rank, Bootstrap& bootstrap, 
 std::string runScenario(const Scenario& s, uint32_t rank, Bootstrap& bootstrap, const std::string& backend);
 /// The same on the named backend ("nvlink", "proxy", ...), created through the factory.
 std::string runScenario(const Scenario& s, uint32_t rank, Bootstrap& bootstrap, const std::string& backend);
+/// The same on the named backend ("nvlink", "proxy", ...), created through the factory.
+std::string runScenario(const Scenario& s, uint32_t rank, Bootstrap& bootstrap, const std::string& backend);
 
 }  // namespace gputest
 }  // namespace epcomm
