@@ -30,24 +30,6 @@ const std::vector<EnvVar>& envVars() {
       {"EPCOMM_PROXY_TRACE", "0",
        "proxy backend diagnostics: 1 stamps every round's phases (kernel pack, proxy post, wire, unpack) and prints "
        "medians at destruction"},
-      {"EPCOMM_PROXY_LOCAL_SIZE", "0",
-       "proxy backend: ranks per node, whose peers would go over NVLink (0: from the bootstrap's host names; 1: every "
-       "peer over the fabric, which is all this build does: a larger value is logged and falls back to the fabric)"},
-      {"EPCOMM_PROXY_TRACE", "0",
-       "proxy backend diagnostics: 1 stamps every round's phases (kernel pack, proxy post, wire, unpack) and prints "
-       "medians at destruction"},
-      {"EPCOMM_PROXY_LOCAL_SIZE", "0",
-       "proxy backend: ranks per node, whose peers would go over NVLink (0: from the bootstrap's host names; 1: every "
-       "peer over the fabric, which is all this build does: a larger value is logged and falls back to the fabric)"},
-      {"EPCOMM_PROXY_TRACE", "0",
-       "proxy backend diagnostics: 1 stamps every round's phases (kernel pack, proxy post, wire, unpack) and prints "
-       "medians at destruction"},
-      {"EPCOMM_PROXY_LOCAL_SIZE", "0",
-       "proxy backend: ranks per node, whose peers would go over NVLink (0: from the bootstrap's host names; 1: every "
-       "peer over the fabric, which is all this build does: a larger value is logged and falls back to the fabric)"},
-      {"EPCOMM_PROXY_TRACE", "0",
-       "proxy backend diagnostics: 1 stamps every round's phases (kernel pack, proxy post, wire, unpack) and prints "
-       "medians at destruction"},
       {"EPCOMM_NVLINK_BLOCKS", "0", "nvlink backend: thread blocks per kernel (0: automatic)"},
       {"EPCOMM_NVLINK_THREADS", "0", "nvlink backend: threads per block, 256 or 512 (0: automatic)"},
       {"EPCOMM_NVLINK_GRAPH_LAUNCH", "1",

@@ -309,123 +309,6 @@ void ProxyChannel::runExternal(const Job& job) {
   }
 }
 
-void ProxyChannel::exchangeDispatch() {
-  EPCOMM_CHECK(!thread_.joinable(), kInternal, "exchangeDispatch on a channel with its own proxy thread");
-  Job job{JobKind::kDispatch, 0, round_++, dispatchedSinceCombine_, DType::kInvalid};
-  dispatchedSinceCombine_ = true;
-  runExternal(job);
-}
-
-void ProxyChannel::exchangeCombine(DType yDtype) {
-  EPCOMM_CHECK(!thread_.joinable(), kInternal, "exchangeCombine on a channel with its own proxy thread");
-  (void)combinePhase(yDtype);
-  EPCOMM_CHECK(round_ > 0, kInvalidArgument, "combine before any dispatch");
-  rowBytes_ = static_cast<uint64_t>(config_.hiddenDim) * dtypeSize(yDtype);
-  Job job{JobKind::kCombine, 0, round_ - 1, false, yDtype};
-  dispatchedSinceCombine_ = false;
-  runExternal(job);
-}
-
-void ProxyChannel::runExternal(const Job& job) {
-  rethrowIfBroken();
-  try {
-    if (job.kind == JobKind::kDispatch) {
-      if (job.barrierFirst) runBarrier(job);
-      runDispatch(job);
-    } else {
-      runCombine(job);
-    }
-  } catch (...) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!error_) error_ = std::current_exception();
-    throw;
-  }
-  std::lock_guard<std::mutex> lock(mu_);
-  if (job.kind == JobKind::kDispatch) {
-    ++stats_.dispatchRounds;
-  } else {
-    ++stats_.combineRounds;
-  }
-}
-
-void ProxyChannel::exchangeDispatch() {
-  EPCOMM_CHECK(!thread_.joinable(), kInternal, "exchangeDispatch on a channel with its own proxy thread");
-  Job job{JobKind::kDispatch, 0, round_++, dispatchedSinceCombine_, DType::kInvalid};
-  dispatchedSinceCombine_ = true;
-  runExternal(job);
-}
-
-void ProxyChannel::exchangeCombine(DType yDtype) {
-  EPCOMM_CHECK(!thread_.joinable(), kInternal, "exchangeCombine on a channel with its own proxy thread");
-  (void)combinePhase(yDtype);
-  EPCOMM_CHECK(round_ > 0, kInvalidArgument, "combine before any dispatch");
-  rowBytes_ = static_cast<uint64_t>(config_.hiddenDim) * dtypeSize(yDtype);
-  Job job{JobKind::kCombine, 0, round_ - 1, false, yDtype};
-  dispatchedSinceCombine_ = false;
-  runExternal(job);
-}
-
-void ProxyChannel::runExternal(const Job& job) {
-  rethrowIfBroken();
-  try {
-    if (job.kind == JobKind::kDispatch) {
-      if (job.barrierFirst) runBarrier(job);
-      runDispatch(job);
-    } else {
-      runCombine(job);
-    }
-  } catch (...) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!error_) error_ = std::current_exception();
-    throw;
-  }
-  std::lock_guard<std::mutex> lock(mu_);
-  if (job.kind == JobKind::kDispatch) {
-    ++stats_.dispatchRounds;
-  } else {
-    ++stats_.combineRounds;
-  }
-}
-
-void ProxyChannel::exchangeDispatch() {
-  EPCOMM_CHECK(!thread_.joinable(), kInternal, "exchangeDispatch on a channel with its own proxy thread");
-  Job job{JobKind::kDispatch, 0, round_++, dispatchedSinceCombine_, DType::kInvalid};
-  dispatchedSinceCombine_ = true;
-  runExternal(job);
-}
-
-void ProxyChannel::exchangeCombine(DType yDtype) {
-  EPCOMM_CHECK(!thread_.joinable(), kInternal, "exchangeCombine on a channel with its own proxy thread");
-  (void)combinePhase(yDtype);
-  EPCOMM_CHECK(round_ > 0, kInvalidArgument, "combine before any dispatch");
-  rowBytes_ = static_cast<uint64_t>(config_.hiddenDim) * dtypeSize(yDtype);
-  Job job{JobKind::kCombine, 0, round_ - 1, false, yDtype};
-  dispatchedSinceCombine_ = false;
-  runExternal(job);
-}
-
-void ProxyChannel::runExternal(const Job& job) {
-  rethrowIfBroken();
-  try {
-    if (job.kind == JobKind::kDispatch) {
-      if (job.barrierFirst) runBarrier(job);
-      runDispatch(job);
-    } else {
-      runCombine(job);
-    }
-  } catch (...) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!error_) error_ = std::current_exception();
-    throw;
-  }
-  std::lock_guard<std::mutex> lock(mu_);
-  if (job.kind == JobKind::kDispatch) {
-    ++stats_.dispatchRounds;
-  } else {
-    ++stats_.combineRounds;
-  }
-}
-
 void ProxyChannel::waitDispatch() { waitJob(postedSeq_, "dispatch receive"); }
 void ProxyChannel::waitCombine() { waitJob(postedSeq_, "combine receive"); }
 
@@ -768,9 +651,6 @@ void ProxyChannel::runDispatch(const Job& job) {
     engine_->scatter(headGroup_, *sendMr_, slices, true, encodeImm(objectId_, Phase::kHead, job.round, rank_), done);
   }
   if (onPosted_) onPosted_(Phase::kHead);
-  if (onPosted_) onPosted_(Phase::kHead);
-  if (onPosted_) onPosted_(Phase::kHead);
-  if (onPosted_) onPosted_(Phase::kHead);
 
   // 2. Every peer's head; then everybody knows every count and computes the same offsets.
   waitFromPeers(Phase::kHead, job.round, peerRanks_, "dispatch");
@@ -828,9 +708,6 @@ void ProxyChannel::runCombine(const Job& job) {
     ++localPosted_;
     engine_->scatter(combineGroup_, *combineSendMr_, slices, true, encodeImm(objectId_, phase, job.round, rank_), done);
   }
-  if (onPosted_) onPosted_(phase);
-  if (onPosted_) onPosted_(phase);
-  if (onPosted_) onPosted_(phase);
   if (onPosted_) onPosted_(phase);
   waitFromPeers(phase, job.round, peerRanks_, "combine");
   waitLocalCompletions("combine", job.round);

@@ -135,45 +135,6 @@ class ProxyChannel {
   /// The engine the channel writes with (e.g. to ask whether its provider registers GPU memory).
   fabric::TransferEngine& engine() { return *engine_; }
 
-  /// externalDriver only: one dispatch exchange (what the proxy thread runs after postDispatch) on the calling
-  /// thread; returns when the peers' tokens have landed and layout() is this round's. Throws what waitDispatch would
-  /// and records it (every later call rethrows).
-  void exchangeDispatch();
-  /// externalDriver only: one combine exchange of rows of dtype yDtype (packed with combineSendRows), on the calling
-  /// thread; returns when every owner's rows have landed. Errors as exchangeDispatch.
-  void exchangeCombine(DType yDtype);
-  /// Makes the waits of an exchange in progress give up (kInternal, "abandoned") at their next check: for a driver
-  /// thread that is being stopped.
-  void requestStop() { stop_ = true; }
-  /// The engine the channel writes with (e.g. to ask whether its provider registers GPU memory).
-  fabric::TransferEngine& engine() { return *engine_; }
-
-  /// externalDriver only: one dispatch exchange (what the proxy thread runs after postDispatch) on the calling
-  /// thread; returns when the peers' tokens have landed and layout() is this round's. Throws what waitDispatch would
-  /// and records it (every later call rethrows).
-  void exchangeDispatch();
-  /// externalDriver only: one combine exchange of rows of dtype yDtype (packed with combineSendRows), on the calling
-  /// thread; returns when every owner's rows have landed. Errors as exchangeDispatch.
-  void exchangeCombine(DType yDtype);
-  /// Makes the waits of an exchange in progress give up (kInternal, "abandoned") at their next check: for a driver
-  /// thread that is being stopped.
-  void requestStop() { stop_ = true; }
-  /// The engine the channel writes with (e.g. to ask whether its provider registers GPU memory).
-  fabric::TransferEngine& engine() { return *engine_; }
-
-  /// externalDriver only: one dispatch exchange (what the proxy thread runs after postDispatch) on the calling
-  /// thread; returns when the peers' tokens have landed and layout() is this round's. Throws what waitDispatch would
-  /// and records it (every later call rethrows).
-  void exchangeDispatch();
-  /// externalDriver only: one combine exchange of rows of dtype yDtype (packed with combineSendRows), on the calling
-  /// thread; returns when every owner's rows have landed. Errors as exchangeDispatch.
-  void exchangeCombine(DType yDtype);
-  /// Makes the waits of an exchange in progress give up (kInternal, "abandoned") at their next check: for a driver
-  /// thread that is being stopped.
-  void requestStop() { stop_ = true; }
-  /// The engine the channel writes with (e.g. to ask whether its provider registers GPU memory).
-  fabric::TransferEngine& engine() { return *engine_; }
-
   /// Tells every peer that this rank refused its call of a round before sending anything (an argument check
   /// failed): a peer waiting for this rank's data raises kPeerFailure with `message` at once instead of running
   /// into the timeout, and may wait on (the round goes on if this rank calls again). `combine`: the combine of the
@@ -208,12 +169,6 @@ class ProxyChannel {
   void post(const Job& job);
   // Runs `job` on the calling thread (externalDriver), counting it or recording its error.
   void runExternal(const Job& job);
-  // Runs `job` on the calling thread (externalDriver), counting it or recording its error.
-  void runExternal(const Job& job);
-  // Runs `job` on the calling thread (externalDriver), counting it or recording its error.
-  void runExternal(const Job& job);
-  // Runs `job` on the calling thread (externalDriver), counting it or recording its error.
-  void runExternal(const Job& job);
   void waitJob(uint64_t seq, const char* what);
   std::string prefix(const char* phase, uint32_t round) const;
 
@@ -238,9 +193,6 @@ class ProxyChannel {
 
   Config config_;
   ProtocolSizes sizes_;
-  std::function<void(Phase)> onPosted_;
-  std::function<void(Phase)> onPosted_;
-  std::function<void(Phase)> onPosted_;
   std::function<void(Phase)> onPosted_;
   int64_t timeoutMs_ = 0;
   uint32_t objectId_ = 0;

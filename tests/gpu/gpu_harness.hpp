@@ -94,12 +94,6 @@ void allocateDevice(const Scenario& s, uint32_t rank, DeviceTensors& dev);
 std::string runScenario(const Scenario& s, uint32_t rank, Bootstrap& bootstrap);
 /// The same on the named backend ("nvlink", "proxy", ...), created through the factory.
 std::string runScenario(const Scenario& s, uint32_t rank, Bootstrap& bootstrap, const std::string& backend);
-/// The same on the named backend ("nvlink", "proxy", ...), created through the factory.
-std::string runScenario(const Scenario& s, uint32_t rank, Bootstrap& bootstrap, const std::string& backend);
-/// The same on the named backend ("nvlink", "proxy", ...), created through the factory.
-std::string runScenario(const Scenario& s, uint32_t rank, Bootstrap& bootstrap, const std::string& backend);
-/// The same on the named backend ("nvlink", "proxy", ...), created through the factory.
-std::string runScenario(const Scenario& s, uint32_t rank, Bootstrap& bootstrap, const std::string& backend);
 
 }  // namespace gputest
 }  // namespace epcomm
