@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace epcomm {
 
@@ -50,6 +51,12 @@ struct Config {
   uint64_t expertRows() const;
   /// Rows of the whole outExpertX / expertY tensor: L * R batched, P packed.
   uint64_t totalExpertRows() const;
+  /// Where each local expert's rows start in outExpertX / expertY, from the counts a dispatch wrote
+  /// (outExpertNumTokens, L int32 values): L + 1 row offsets. Packed: the sum of the earlier experts' counts, each
+  /// rounded up to expertPadding, and last the rows in use; batched: le * batchedRowsPerExpert(), and last
+  /// totalExpertRows(). Expert le's rows are [offsets[le], offsets[le] + numTokens[le]). Throws kInvalidArgument for
+  /// a count that is negative or does not fit the layout.
+  std::vector<uint64_t> expertRowOffsets(const int32_t* numTokens) const;
 
   /// One-line description: "E=256 K=8 H=7168 bytes=7168 scale=224 T=128 W=8 D=1 pad=1 batched rank=0".
   std::string toString() const;

@@ -29,7 +29,8 @@ enum class ErrorCode : int {
 /// Short stable name of an ErrorCode ("invalid_argument", "timeout", ...).
 const char* errorCodeName(ErrorCode code);
 
-/// The one exception type of epcomm. what() reads "epcomm <code> at <file>:<line>: <message>".
+/// The one exception type of epcomm. what() reads "epcomm <code> at <file>:<line>: <message>", where <file> is the
+/// throw site relative to the project root ("src/core/config.cc").
 class Error : public std::runtime_error {
  public:
   Error(ErrorCode code, const std::string& message, const char* file, int line);

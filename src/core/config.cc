@@ -68,6 +68,27 @@ uint64_t Config::totalExpertRows() const {
   return layout == Layout::kBatched ? numLocalExperts() * batchedRowsPerExpert() : packedRows();
 }
 
+std::vector<uint64_t> Config::expertRowOffsets(const int32_t* numTokens) const {
+  const uint32_t L = numLocalExperts();
+  std::vector<uint64_t> offsets(L + 1, 0);
+  uint64_t at = 0;
+  for (uint32_t le = 0; le < L; ++le) {
+    EPCOMM_CHECK(numTokens[le] >= 0 && static_cast<uint64_t>(numTokens[le]) <= expertRows(), kInvalidArgument,
+                 "expertRowOffsets: local expert " << le << " has " << numTokens[le] << " tokens, outside [0, "
+                                                   << expertRows() << "] (" << layoutName(layout) << " layout)");
+    if (layout == Layout::kBatched) {
+      offsets[le] = le * batchedRowsPerExpert();
+    } else {
+      offsets[le] = at;
+      at += roundUpPow2(static_cast<uint64_t>(numTokens[le]), expertPadding);
+    }
+  }
+  offsets[L] = layout == Layout::kBatched ? totalExpertRows() : at;
+  EPCOMM_CHECK(offsets[L] <= totalExpertRows(), kInvalidArgument,
+               "expertRowOffsets: the counts need " << offsets[L] << " packed rows, more than " << totalExpertRows());
+  return offsets;
+}
+
 std::string Config::toString() const {
   std::ostringstream oss;
   oss << "E=" << numExperts << " K=" << expertsPerToken << " H=" << hiddenDim << " bytes=" << hiddenDimBytes

@@ -1,5 +1,7 @@
 #include "epcomm/error.hpp"
 
+#include <cstring>
+
 namespace epcomm {
 
 const char* errorCodeName(ErrorCode code) {
@@ -42,11 +44,25 @@ static std::string formatWhat(ErrorCode code, const std::string& message, const 
   return oss.str();
 }
 
+// The throw site relative to the project (src/core/error.cc, not the build machine's /home/.../src/core/error.cc):
+// every source file of the project is compiled under the same root as this one, so its root prefix is dropped.
+static const char* projectRelative(const char* file) {
+  static const std::string root = [] {
+    const std::string self = __FILE__, tail = "src/core/error.cc";
+    if (self.size() < tail.size() || self.compare(self.size() - tail.size(), tail.size(), tail) != 0)
+      return std::string();
+    return self.substr(0, self.size() - tail.size());
+  }();
+  if (file == nullptr) return "?";
+  if (!root.empty() && std::strncmp(file, root.c_str(), root.size()) == 0) return file + root.size();
+  return file;
+}
+
 Error::Error(ErrorCode code, const std::string& message, const char* file, int line)
-    : std::runtime_error(formatWhat(code, message, file, line)),
+    : std::runtime_error(formatWhat(code, message, projectRelative(file), line)),
       code_(code),
       message_(message),
-      file_(file),
+      file_(projectRelative(file)),
       line_(line) {}
 
 namespace detail {

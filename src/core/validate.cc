@@ -161,8 +161,14 @@ CheckedDispatch checkDispatchArgs(const Config& c, const DispatchArgs& a, Memory
     EPCOMM_CHECK(a.outExpertNumTokens.strides[0] == 1, kInvalidArgument, "outExpertNumTokens must be contiguous");
     checkMemory("outExpertX", a.outExpertX, memory, device);
     const int64_t item = dtypeSize(a.outExpertX.dtype);
-    EPCOMM_CHECK(item > 0 && c.hiddenDimBytes % item == 0, kInvalidArgument,
-                 "outExpertX has dtype " << dtypeName(a.outExpertX.dtype) << " that does not divide hiddenDimBytes");
+    EPCOMM_CHECK(item > 0, kInvalidArgument,
+                 "outExpertX has an unsupported dtype (" << dtypeName(a.outExpertX.dtype)
+                                                         << "); dispatch moves bytes: any dtype of 1, 2 or 4 bytes "
+                                                            "(uint8, fp8, bf16, fp16, fp32, int32) whose rows hold "
+                                                            "hiddenDimBytes");
+    EPCOMM_CHECK(c.hiddenDimBytes % item == 0, kInvalidArgument,
+                 "outExpertX has dtype " << dtypeName(a.outExpertX.dtype) << " (" << item
+                                         << " bytes), which does not divide hiddenDimBytes = " << c.hiddenDimBytes);
     checkExpertTensor(c, "outExpertX", a.outExpertX, c.hiddenDimBytes / item, "hiddenDimBytes / itemsize");
     checkInnerContiguous("outExpertX", a.outExpertX);
     checkAligned("outExpertX", a.outExpertX, 16);

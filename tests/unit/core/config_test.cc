@@ -184,6 +184,25 @@ TEST(ConfigDerived, RowsAndGroups) {
   EXPECT_STREQ(layoutName(Layout::kPacked), "packed");
 }
 
+TEST(ConfigDerived, ExpertRowOffsets) {
+  Config c = good();
+  c.numExperts = 8;
+  c.worldSize = 2;  // L = 4
+  c.expertPadding = 4;
+  const int32_t counts[4] = {3, 0, 5, 8};
+  c.layout = Layout::kPacked;
+  EXPECT_EQ(c.expertRowOffsets(counts), (std::vector<uint64_t>{0, 4, 4, 12, 20}));
+  c.expertPadding = 1;
+  EXPECT_EQ(c.expertRowOffsets(counts), (std::vector<uint64_t>{0, 3, 3, 8, 16}));
+  c.layout = Layout::kBatched;
+  const uint64_t R = c.batchedRowsPerExpert();
+  EXPECT_EQ(c.expertRowOffsets(counts), (std::vector<uint64_t>{0, R, 2 * R, 3 * R, 4 * R}));
+  const int32_t negative[4] = {1, -1, 0, 0};
+  expectError([&] { c.expertRowOffsets(negative); }, ErrorCode::kInvalidArgument, {"local expert 1 has -1 tokens"});
+  const int32_t tooMany[4] = {0, 0, static_cast<int32_t>(R + 1), 0};
+  expectError([&] { c.expertRowOffsets(tooMany); }, ErrorCode::kInvalidArgument, {"local expert 2 has"});
+}
+
 TEST(StandardConfig, Names) {
   int count = 0;
   const char* const* names = standardConfigNames(&count);
