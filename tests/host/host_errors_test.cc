@@ -2,6 +2,7 @@
 // once (not after EPCOMM_TIMEOUT_MS), combine must use the dispatched routing, and a rank that leaves mid-round ends
 // its peers' waits.
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -346,6 +347,71 @@ TEST(HostErrors, RankThatLeavesMidRoundEndsThePeersWaits) {
       runOptions());
   EXPECT_TRUE(result.allOk()) << result.summary();
 }
+
+// ---- kill -9 of one rank mid-dispatch and mid-combine: the survivors raise a timeout naming it within the timeout
+// (+ 1 s), destroy the object, and build a new one among themselves with a new bootstrap, in the same process. ----
+
+class HostFaults : public ::testing::TestWithParam<bool> {};
+
+TEST_P(HostFaults, SurvivorsNameTheDeadRankAndGoOnWithoutIt) {
+  SKIP_WITHOUT("tcp");
+  const bool inCombine = GetParam();
+  constexpr int64_t kTimeoutMs = 2000;
+  Scenario sc;
+  sc.W = 3;
+  sc.E = 6;
+  sc.K = 3;
+  sc.options.provider = "tcp";
+  sc.options.timeoutMs = kTimeoutMs;
+  Scenario after = sc;  // the survivors' world
+  after.W = 2;
+  after.E = 4;
+  after.seed = 5;
+  const std::string survivorsAddress = "127.0.0.1:" + std::to_string(freeTcpPort());
+  RunResult result = runRanks(
+      sc.W,
+      [&](int rank, Bootstrap& bootstrap) {
+        {
+          host::HostAllToAll a2a(sc.config(rank), bootstrap, sc.options);
+          ASSERT_TRUE(checkedRound(a2a, sc, rank, 0));
+          const std::vector<RankInputs> in = makeRound(sc, 1);
+          DispatchOutputs mine(sc);
+          reference::HostTensor out = copyOf(in[rank].outInit);
+          if (inCombine) a2a.dispatch(dispatchArgs(in[rank], mine));
+          bootstrap.barrier();
+          if (rank == 2) raise(SIGKILL);  // before its dispatch, or between its dispatch and its combine
+          const auto start = std::chrono::steady_clock::now();
+          try {
+            if (!inCombine) a2a.dispatch(dispatchArgs(in[rank], mine));
+            a2a.combine(combineArgs(in[rank], out));
+            ADD_FAILURE() << "the round completed without rank 2";
+          } catch (const Error& e) {
+            const double s = secondsSince(start);
+            // Its own timeout, or the other survivor's (sent at once, the code kept), or a failed write to the dead
+            // rank (kFabric): each names rank 2.
+            EXPECT_TRUE(e.code() == ErrorCode::kTimeout || e.code() == ErrorCode::kFabric) << e.what();
+            EXPECT_NE(e.message().find(inCombine ? "combine" : "dispatch"), std::string::npos) << e.what();
+            EXPECT_NE(e.message().find("from rank 2"), std::string::npos) << e.what();
+            EXPECT_LT(s, kTimeoutMs / 1000.0 + 1.0) << e.what();
+            std::printf("rank %d: %s raised after %.0f ms: %s\n", rank, inCombine ? "combine" : "dispatch", s * 1e3,
+                        e.message().c_str());
+          }
+          EXPECT_THROW(a2a.synchronize(), Error);
+        }  // destroyed: the dead rank's object is gone for good
+        // A smaller world, a new bootstrap, the same process.
+        std::unique_ptr<Bootstrap> fresh = createTcpBootstrap(survivorsAddress, rank, 2, 10000);
+        host::HostAllToAll a2a(after.config(rank), *fresh, after.options);
+        for (uint32_t round = 0; round < 5; ++round) ASSERT_TRUE(checkedRound(a2a, after, rank, round));
+      },
+      runOptions());
+  ASSERT_EQ(result.ranks.size(), 3u);
+  EXPECT_TRUE(result.ranks[0].ok()) << result.summary();
+  EXPECT_TRUE(result.ranks[1].ok()) << result.summary();
+  EXPECT_EQ(result.ranks[2].signal, SIGKILL) << result.summary();
+}
+
+INSTANTIATE_TEST_SUITE_P(Host, HostFaults, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "MidCombine" : "MidDispatch"; });
 
 }  // namespace
 }  // namespace test

@@ -34,6 +34,7 @@ class Case:
     masked_fraction: float = 0.15
     rounds: int = 2
     bootstrap: str = "tcp"  # tcp | callback | env
+    empty_groups: List[int] = field(default_factory=list)  # DP groups with no tokens (m = 0) in every round
     seed: int = 1234
     tags: List[str] = field(default_factory=list)
 
@@ -66,7 +67,10 @@ def _random_values(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:
 
 
 def _indices(rng: np.random.Generator, m: int, case: Case) -> np.ndarray:
-    idx = np.stack([rng.permutation(case.num_experts)[: case.experts_per_token] for _ in range(m)]).astype(np.int64)
+    if m == 0:
+        idx = np.zeros((0, case.experts_per_token), np.int64)
+    else:
+        idx = np.stack([rng.permutation(case.num_experts)[: case.experts_per_token] for _ in range(m)]).astype(np.int64)
     mask = rng.random(idx.shape) < case.masked_fraction
     idx[mask] = -1
     if case.index_dtype == "uint32":
@@ -79,16 +83,21 @@ class _Inputs:
 
     def __init__(self, case: Case, rnd: int, group: int):
         rng = np.random.default_rng([case.seed, rnd, group])
-        self.m = case.max_num_tokens - (group + rnd) % 3
+        self.m = 0 if group in case.empty_groups else case.max_num_tokens - (group + rnd) % 3
         # hidden_dim_bytes = hidden_dim * itemsize: the payload has hidden_dim elements of x_dtype.
         self.x = _random_values(rng, (self.m, case.hidden_dim), case.x_dtype)
         self.scale_cols = case.hidden_dim // 32 if case.with_scale else 0
         self.x_scale = rng.random((self.m, self.scale_cols), dtype=np.float32) if case.with_scale else None
         self.indices = _indices(rng, self.m, case)
         self.weights = rng.random((self.m, case.experts_per_token), dtype=np.float32)
-        bound = self.m - (1 + (rnd + group) % 2) if case.use_bound_m else self.m
+        bound = max(0, self.m - (1 + (rnd + group) % 2)) if case.use_bound_m else self.m
         self.bound_m = np.array([bound], dtype=np.int32)
         self.out_init = _random_values(rng, (self.m, case.hidden_dim), case.out_dtype)
+        if self.m == 0:
+            # As frameworks may hand over a 0-row tensor: strides (0, 0).
+            bare = lambda a: None if a is None else np.lib.stride_tricks.as_strided(a, a.shape, (0, 0))  # noqa: E731
+            self.x, self.x_scale, self.indices = bare(self.x), bare(self.x_scale), bare(self.indices)
+            self.weights, self.out_init = bare(self.weights), bare(self.out_init)
 
 
 def hidden_dim_bytes(case: Case) -> int:

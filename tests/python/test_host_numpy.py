@@ -24,6 +24,11 @@ CASES = [
     Case("w4_packed_fp8_scale", world_size=4, num_experts=16, experts_per_token=4, x_dtype="fp8_e4m3",
          with_scale=True, layout="packed", expert_padding=8, y_dtype="fp32", out_dtype="bf16"),
     Case("w4_dp4_int64", world_size=4, dp_size=4, num_experts=8, index_dtype="int64", masked_fraction=0.3),
+    # A rank with no tokens this step (data-parallel attention) takes its part in the round.
+    Case("w2_empty_rank", world_size=2, empty_groups=[1], rounds=3),
+    Case("w4_dp2_empty_group_split_bound", world_size=4, dp_size=2, num_experts=16, empty_groups=[0],
+         use_bound_m=True, split_send_recv=True, x_dtype="fp8_e4m3", with_scale=True, layout="packed",
+         expert_padding=4),
 ]
 
 
