@@ -24,13 +24,23 @@ TEST(Factory, UnknownBackendIsNamed) {
 }
 
 TEST(Factory, UnbuiltBackendSaysSoAndListsTheBuiltOnes) {
-  auto bs = createSelfBootstrap();
-  for (const std::string& built : builtBackends()) {
-    testing::expectError([&] { createAllToAll(smallConfig(), *bs, "nvshmem"); }, ErrorCode::kNotBuilt,
-                         {"'nvshmem' is not part of this build", built});
+  // Which backends a build holds depends on the machine (CUDA, libfabric, the NVSHMEM wheel): ask for the first
+  // known one that this build lacks; a build that has them all has nothing to refuse.
+  const std::vector<std::string> built = builtBackends();
+  std::string missing;
+  for (const char* name : {"nvlink", "nvshmem", "proxy", "host"}) {
+    if (std::find(built.begin(), built.end(), name) == built.end()) {
+      missing = name;
+      break;
+    }
   }
-  testing::expectError([&] { createAllToAll(smallConfig(), *bs, "nvshmem"); }, ErrorCode::kNotBuilt,
-                       {"'nvshmem' is not part of this build"});
+  if (missing.empty()) GTEST_SKIP() << "every backend is built here";
+  auto bs = createSelfBootstrap();
+  testing::expectError([&] { createAllToAll(smallConfig(), *bs, missing); }, ErrorCode::kNotBuilt,
+                       {"'" + missing + "' is not part of this build"});
+  for (const std::string& name : built) {
+    testing::expectError([&] { createAllToAll(smallConfig(), *bs, missing); }, ErrorCode::kNotBuilt, {name});
+  }
 }
 
 TEST(Factory, ConfigMustMatchTheBootstrap) {
