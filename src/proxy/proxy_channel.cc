@@ -297,8 +297,24 @@ void ProxyChannel::runExternal(const Job& job) {
       runCombine(job);
     }
   } catch (...) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!error_) error_ = std::current_exception();
+    const std::exception_ptr failure = std::current_exception();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!error_) error_ = failure;
+    }
+    // As the internal proxy thread does: the peers waiting for this rank learn at once that the round is lost.
+    if (!failedByNotice_.load()) {
+      const uint32_t kind = job.kind == JobKind::kCombine ? 1 : 0;
+      try {
+        std::rethrow_exception(failure);
+      } catch (const Error& e) {
+        sendNotice(kind, job.round, true, e.code(), e.message());
+      } catch (const std::exception& e) {
+        sendNotice(kind, job.round, true, ErrorCode::kInternal, e.what());
+      } catch (...) {
+        sendNotice(kind, job.round, true, ErrorCode::kInternal, "unknown error");
+      }
+    }
     throw;
   }
   std::lock_guard<std::mutex> lock(mu_);
