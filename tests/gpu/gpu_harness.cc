@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -363,6 +364,15 @@ void bindArgs(const Scenario& s, const Shapes& sh, int64_t m, DeviceTensors& dev
   c.accumulate = s.accumulate;
 }
 
+// Half the spacing of `t`'s values around magnitude `mag`: the largest error of one round-to-nearest into `t`
+// (subnormals included).
+double halfUlp(DType t, double mag) {
+  const int man = t == DType::kBf16 ? 7 : t == DType::kF16 ? 10 : 23;
+  const int emin = t == DType::kF16 ? -14 : -126;
+  const int e = std::max(static_cast<int>(std::floor(std::log2(std::max(mag, 1e-300)))), emin);
+  return std::ldexp(0.5, e - man);
+}
+
 float epsOf(DType t) {
   switch (t) {
     case DType::kBf16:
@@ -443,6 +453,16 @@ std::string Round::check(uint32_t rank, const DeviceTensors& dev) const {
   std::vector<uint8_t> out(m * sh.H * item);
   dev.outTokens.download(out.data(), out.size());
   const float tolRel = epsOf(s.yType) + epsOf(s.outType) + 1e-5f;
+  // oneRounding: the exact sum of the token's n terms (w * y is exact in fp64; accumulate's outTokens is a term too)
+  // against the bound of one rounding of an fp32 sum of them: each term's multiply-add and each add of a partial
+  // round once in fp32, at most 2n roundings of at most 2^-24 times the sum of the terms' magnitudes (one more to
+  // spare), then half an ulp of the output dtype at the result (one_rounding_bound in tests/python/_numerics.py).
+  std::vector<reference::Routing::Slot> slots;
+  if (s.oneRounding) {
+    std::vector<TensorView> indices(s.world);
+    for (uint32_t r = 0; r < s.world; ++r) indices[r] = d.indices[r].view();
+    slots = reference::buildRouting(d.config, indices, d.bound).slot[rank];
+  }
   for (int64_t t = 0; t < m; ++t) {
     for (uint32_t h = 0; h < sh.H; ++h) {
       const int64_t i = t * sh.H + h;
@@ -454,6 +474,34 @@ std::string Round::check(uint32_t rank, const DeviceTensors& dev) const {
         continue;
       }
       const float got = loadAsFloat(s.outType, out.data(), i);
+      if (s.oneRounding) {
+        double exact = 0, absSum = 0;
+        int terms = 0;
+        if (s.accumulate) {
+          exact = loadAsFloat(s.outType, d.outInit[rank].data<void>(), i);
+          absSum = std::fabs(exact);
+          ++terms;
+        }
+        for (uint32_t k = 0; k < s.topK; ++k) {
+          const reference::Routing::Slot& slot = slots[t * s.topK + k];
+          if (slot.owner < 0) continue;
+          const double term =
+              static_cast<double>(d.weights[rank].data<float>()[t * s.topK + k]) *
+              loadAsFloat(s.yType, d.expertY[slot.owner].data<void>(), static_cast<int64_t>(slot.row) * sh.H + h);
+          exact += term;
+          absSum += std::fabs(term);
+          ++terms;
+        }
+        const double fp32 = (2 * terms + 1) * std::ldexp(absSum, -24);
+        const double bound = halfUlp(s.outType, std::fabs(exact) + fp32) + fp32;
+        if (!(std::fabs(got - exact) <= bound)) {
+          std::ostringstream o;
+          o << "outTokens[" << t << ", " << h << "] = " << got << ", exact sum " << exact
+            << ": error beyond one final rounding of an fp32 sum (" << std::fabs(got - exact) << " > " << bound << ")";
+          note(o.str());
+        }
+        continue;
+      }
       const float want = loadAsFloat(s.outType, d.outTokens[rank].data<void>(), i);
       float mag = d.absTokens[rank].data<float>()[i];
       if (s.accumulate) mag += std::fabs(loadAsFloat(s.outType, d.outInit[rank].data<void>(), i));

@@ -68,9 +68,13 @@ void runAll(int world, const std::vector<Scenario>& list) {
   EXPECT_TRUE(result.allOk()) << result.summary();
 }
 
+// Every nvlink case checks the combine against the exact sum: within one final rounding of an fp32 sum (the partials
+// cross in fp32; a 16-bit partial would round each expert rank's sum once more and fail wherever a token's experts
+// span two ranks, an fp32 or fp16 output follows bf16 expertY, or accumulate adds to outTokens).
 Scenario base(uint32_t world) {
   Scenario s;
   s.world = world;
+  s.oneRounding = true;
   return s;
 }
 
@@ -128,6 +132,30 @@ TEST(NvlinkGpu, W1MaskedRaggedBoundPackedPadded) {
 TEST(NvlinkGpu, W2Basic) {
   REQUIRE_GPUS(2);
   runAll(2, {base(2)});
+}
+
+// The accuracy of pplx-kernels and DeepEP: fp16 and bf16 outputs within one final rounding of the exact sum, in fused,
+// split and accumulating calls. K = 8 of 16 experts: nearly every token's experts span both ranks, so it takes the
+// sum of two partials (every case built by base() checks the same bound).
+TEST(NvlinkGpu, W2CombineIsOneRoundingOfAnFp32Sum) {
+  REQUIRE_GPUS(2);
+  std::vector<Scenario> list;
+  uint64_t seed = 700;
+  for (DType t : {DType::kF16, DType::kBf16}) {
+    for (int mode = 0; mode < 3; ++mode) {
+      Scenario s = base(2);
+      s.topK = 8;
+      s.hidden = 512;
+      s.ragged = false;
+      s.yType = s.outType = t;
+      s.split = mode == 1;
+      s.accumulate = mode == 2;
+      s.rounds = 1;
+      s.seed = seed++;
+      list.push_back(s);
+    }
+  }
+  runAll(2, list);
 }
 
 TEST(NvlinkGpu, W2MaskedRaggedBoundLayouts) {

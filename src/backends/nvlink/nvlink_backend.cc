@@ -253,13 +253,11 @@ class NvlinkAllToAll final : public AllToAll {
       EPCOMM_CHECK(p.k.mSend >= dispatchedM_, kInvalidArgument,
                    "rank " << config_.rank << ": combine weights have " << p.k.mSend
                            << " rows, fewer than the m = " << dispatchedM_ << " tokens this rank dispatched");
-      partialType_ = p.sendType;
     }
-    const int outType = a.doRecv ? p.recvType : partialType_;
     nvlink::CombineKernelArgs k = p.k;
     checkCurrentDevice();
     k.st.trace = trace_.next(nvlink::PhaseTrace::kCombine, a.doSend, a.doRecv);
-    launch(nvlink::combineLaunch(k, a.doSend, a.doRecv, partialType_, outType), &k, sizeof k, a.stream, "combine",
+    launch(nvlink::combineLaunch(k, a.doSend, a.doRecv, p.sendType, p.recvType), &k, sizeof k, a.stream, "combine",
            [&] { order_.combined(a.doSend, a.doRecv); });
   }
 
@@ -469,7 +467,6 @@ class NvlinkAllToAll final : public AllToAll {
   nvlink::ErrorRecord* hostErrorDev_ = nullptr;
   std::vector<nvlink::IpcMapping> peerMaps_;  // the other ranks' regions, mapped here
   std::vector<char*> peers_;                  // every rank's region by rank (kMaxRanks entries; ours is region_)
-  int partialType_ = -1;
   /// Dispatch and combine alternate. A dispatch may not repeat without a combine: its send half would overwrite the
   /// peers' staging and routes while they may still be reading the last round's (the combine is the barrier).
   CallOrder order_{"nvlink", config_.rank, false};
@@ -487,7 +484,7 @@ class NvlinkAllToAll final : public AllToAll {
     bool valid = false;
     CombineArgs args;
     nvlink::CombineKernelArgs k{};
-    int sendType = -1;  // the send half's partial type (combineType of expertY)
+    int sendType = -1;  // the send half's input type (combineType of expertY; the partials are fp32)
     int recvType = -1;  // the receive half's output type
   };
   PackedDispatch packedDispatch_[3];

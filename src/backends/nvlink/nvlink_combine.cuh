@@ -1,6 +1,6 @@
-// The nvlink combine: the send half sums each token's weighted expert outputs and sends one partial per expert rank,
-// the receive half adds the partials in a fixed order. Part of nvlink_kernels.cu's translation unit: include it only
-// there.
+// The nvlink combine: the send half sums each token's weighted expert outputs and sends one fp32 partial per expert
+// rank, the receive half adds the partials in a fixed order and rounds once. Part of nvlink_kernels.cu's translation
+// unit: include it only there.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -76,9 +76,6 @@ __device__ __forceinline__ void storeF(T* p, const float* in) {
   *reinterpret_cast<Vec<T, N>*>(p) = x;
 }
 
-// Send half of combine. The routing blocks first push this rank's router weights to every other rank (tagged with the
-// round); every block then sums its experts' weighted outputs per token in fp32 (a peer's token once that peer's
-// weights for it carry this round's tag) and sends one partial per (token, DP-group rank).
 // Which senders' tokens one call of combineSendBody handles.
 enum CombineSenders : int {
   kAllSenders = 0,
@@ -86,15 +83,23 @@ enum CombineSenders : int {
   kOtherSenders = 2,  // every other sender's tokens (their weights pushed by their senders, tagged)
 };
 
+// Send half of combine. The routing blocks first push this rank's router weights to every other rank (tagged with the
+// round); every block then sums its experts' weighted outputs per token in fp32 (a peer's token once that peer's
+// weights for it carry this round's tag) and sends one fp32 partial per (token, DP-group rank). YT: expertY's element
+// type.
+// NOTE: the partials are fp32 whatever expertY's type, so a token's output is one rounding of an fp32 sum of all its
+// weighted expert outputs, as in pplx-kernels and DeepEP. Partials in a 16-bit expertY's type would halve their
+// NVLink bytes but round each expert rank's sum once more: an fp16 output then differs from the peers' by an ulp at
+// times.
 // Returns false (in every lane) when a peer's weights never arrived (recorded); the caller then skips its signal.
-template <typename PT, int N>
+template <typename YT, int N>
 __device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt, int senders, uint32_t round,
                                 uint32_t warpId, uint32_t numWarps) {
   const Geometry& g = a.g;
   char* local = a.peers[g.rank];
   const uint32_t K = g.topK, W = g.worldSize, Ts = g.slotsPerSender, D = g.dpSize;
   const uint64_t* weights = reinterpret_cast<const uint64_t*>(local + g.offWeights);
-  const PT* y = reinterpret_cast<const PT*>(a.y);
+  const YT* y = reinterpret_cast<const YT*>(a.y);
   const uint32_t lane = threadIdx.x % 32;
   const uint32_t units = g.hiddenDim / N;
   // NOTE: one work unit = one token and one chunk of kChunkU units per lane, so a warp keeps kChunkU independent
@@ -110,14 +115,14 @@ __device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt,
     if (senders != kOwnSender) sentItem(rt, W, skip, item, s, j);
     const uint32_t t = j * D + s % D;
     const uint32_t group0 = (s / D) * D;
-    // Per-lane destination: partial slot of (this expert rank, token t) on rank group0 + lane.
+    // Per-lane destination: fp32 partial slot of (this expert rank, token t) on rank group0 + lane.
     uint8_t* dstLane = lane < D ? reinterpret_cast<uint8_t*>(a.peers[group0 + lane]) + g.offPartials +
                                       (static_cast<uint64_t>(g.rank) * g.maxTokens + t) * g.partialBytes
                                 : nullptr;
     const uint32_t dstMask = D >= 32 ? 0xffffffffu : ((1u << D) - 1);
     // This unit's vectors of a row: [v0, v0 + 32 * kChunkU), cut at the row's end.
     const uint32_t v0 = chunk * 32 * kChunkU;
-    const uint32_t sliceBytes = min(32u * kChunkU, units - v0) * static_cast<uint32_t>(N * sizeof(PT));
+    const uint32_t sliceBytes = min(32u * kChunkU, units - v0) * static_cast<uint32_t>(N * sizeof(YT));
     // K <= 64: at most two lane groups of routing entries; the sum runs k ascending.
     int64_t yOff[2] = {-1, -1};
     float w[2] = {0.f, 0.f};
@@ -171,7 +176,7 @@ __device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt,
 #pragma unroll
         for (int c = 0; c < kChunkU; ++c) {
           const uint32_t u = u0 + c * 32;
-          if (u < units) toF<PT, N>(loadOnce<PT, N>(y + off + static_cast<int64_t>(u) * N), yv[c]);
+          if (u < units) toF<YT, N>(loadOnce<YT, N>(y + off + static_cast<int64_t>(u) * N), yv[c]);
         }
 #pragma unroll
         for (int c = 0; c < kChunkU; ++c) {
@@ -182,11 +187,11 @@ __device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt,
     }
     for (uint32_t m = dstMask; m != 0; m &= m - 1) {
       const int b = __ffs(m) - 1;
-      PT* dst = reinterpret_cast<PT*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(dstLane), b));
+      float* dst = reinterpret_cast<float*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(dstLane), b));
 #pragma unroll
       for (int c = 0; c < kChunkU; ++c) {
         const uint32_t u = u0 + c * 32;
-        if (u < units) storeF<PT, N>(dst + static_cast<uint64_t>(u) * N, acc[c]);
+        if (u < units) storeF<float, N>(dst + static_cast<uint64_t>(u) * N, acc[c]);
       }
     }
   }
@@ -213,7 +218,8 @@ __device__ uint32_t firstRecvRanks(const CombineKernelArgs& a, uint32_t bound) {
   return warpId < bound * chunks ? tokenRanks(a, bound - 1 - warpId / chunks) : 0;
 }
 
-template <typename PT, typename OT, int N>
+// Receive half of combine: outTokens (OT) = (accumulate ? outTokens : 0) + the fp32 partials, rounded once.
+template <typename OT, int N>
 __device__ void combineRecvBody(const CombineKernelArgs& a, uint32_t firstRanks, uint32_t bound) {
   const Geometry& g = a.g;
   const char* local = a.peers[g.rank];
@@ -243,8 +249,8 @@ __device__ void combineRecvBody(const CombineKernelArgs& a, uint32_t firstRanks,
     // Expert ranks in ascending order: a fixed summation order, so results are bitwise reproducible. Two ranks'
     // partials are loaded per step (2 * kChunkU loads in flight per lane), then added in that order.
     auto partialOf = [&](int e) {
-      return reinterpret_cast<const PT*>(local + g.offPartials +
-                                         (static_cast<uint64_t>(e) * g.maxTokens + t) * g.partialBytes);
+      return reinterpret_cast<const float*>(local + g.offPartials +
+                                            (static_cast<uint64_t>(e) * g.maxTokens + t) * g.partialBytes);
     };
     for (uint32_t m = ranks; m != 0;) {
       const int e1 = __ffs(m) - 1;
@@ -252,25 +258,25 @@ __device__ void combineRecvBody(const CombineKernelArgs& a, uint32_t firstRanks,
       const bool two = m != 0;
       const int e2 = two ? __ffs(m) - 1 : e1;
       if (two) m &= m - 1;
-      const PT* p1 = partialOf(e1);
-      const PT* p2 = partialOf(e2);
-      Vec<PT, N> r1[kChunkU], r2[kChunkU];
+      const float* p1 = partialOf(e1);
+      const float* p2 = partialOf(e2);
+      Vec<float, N> r1[kChunkU], r2[kChunkU];
 #pragma unroll
       for (int c = 0; c < kChunkU; ++c) {
         const uint32_t u = u0 + c * 32;
-        if (u < units) r1[c] = loadOnce<PT, N>(p1 + static_cast<uint64_t>(u) * N);
+        if (u < units) r1[c] = loadOnce<float, N>(p1 + static_cast<uint64_t>(u) * N);
       }
       if (two) {
 #pragma unroll
         for (int c = 0; c < kChunkU; ++c) {
           const uint32_t u = u0 + c * 32;
-          if (u < units) r2[c] = loadOnce<PT, N>(p2 + static_cast<uint64_t>(u) * N);
+          if (u < units) r2[c] = loadOnce<float, N>(p2 + static_cast<uint64_t>(u) * N);
         }
       }
 #pragma unroll
       for (int c = 0; c < kChunkU; ++c) {
         float pv[N];
-        toF<PT, N>(r1[c], pv);
+        toF<float, N>(r1[c], pv);
 #pragma unroll
         for (int i = 0; i < N; ++i) acc[c][i] += pv[i];
       }
@@ -278,7 +284,7 @@ __device__ void combineRecvBody(const CombineKernelArgs& a, uint32_t firstRanks,
 #pragma unroll
         for (int c = 0; c < kChunkU; ++c) {
           float pv[N];
-          toF<PT, N>(r2[c], pv);
+          toF<float, N>(r2[c], pv);
 #pragma unroll
           for (int i = 0; i < N; ++i) acc[c][i] += pv[i];
         }
@@ -292,7 +298,9 @@ __device__ void combineRecvBody(const CombineKernelArgs& a, uint32_t firstRanks,
   }
 }
 
-template <bool kSend, bool kRecv, typename PT, typename OT>
+// YT: expertY's element type (the send half's), OT: outTokens' (the receive half's); a kernel without a half takes
+// float for that half's type.
+template <bool kSend, bool kRecv, typename YT, typename OT>
 __global__ void __launch_bounds__(kMaxThreads, 1) combineKernel(const CombineKernelArgs a) {
   extern __shared__ int32_t smem[];
   tracePoint(a.st, kTrEntry);
@@ -338,8 +346,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) combineKernel(const CombineKer
     // 1 / W of the warps for the own tokens. The R routing blocks, which pushed the weights, leave the own pass out
     // (with an equal share they finished it last, trace).
     auto body = [&](int senders, uint32_t warpId, uint32_t numWarps) {
-      return wide ? combineSendBody<PT, 8>(a, rt, senders, seq, warpId, numWarps)
-                  : combineSendBody<PT, 4>(a, rt, senders, seq, warpId, numWarps);
+      return wide ? combineSendBody<YT, 8>(a, rt, senders, seq, warpId, numWarps)
+                  : combineSendBody<YT, 4>(a, rt, senders, seq, warpId, numWarps);
     };
     bool ok = true;
     if (g.dpSize == 1 && g.worldSize > 1) {
@@ -371,9 +379,9 @@ __global__ void __launch_bounds__(kMaxThreads, 1) combineKernel(const CombineKer
     }
     tracePoint(a.st, kTrPeersIn);
     if (wide) {
-      combineRecvBody<PT, OT, 8>(a, firstRanks, bound);
+      combineRecvBody<OT, 8>(a, firstRanks, bound);
     } else {
-      combineRecvBody<PT, OT, 4>(a, firstRanks, bound);
+      combineRecvBody<OT, 4>(a, firstRanks, bound);
     }
     __syncthreads();
     tracePoint(a.st, kTrExit);

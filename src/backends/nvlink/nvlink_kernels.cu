@@ -18,43 +18,47 @@ namespace nvlink {
 
 namespace {
 
-template <bool kSend, bool kRecv, typename PT, typename OT>
+template <bool kSend, bool kRecv, typename YT, typename OT>
 const void* combineFn() {
-  return reinterpret_cast<const void*>(combineKernel<kSend, kRecv, PT, OT>);
+  return reinterpret_cast<const void*>(combineKernel<kSend, kRecv, YT, OT>);
 }
 
-template <bool kSend, bool kRecv, typename PT>
+template <bool kSend, bool kRecv, typename YT>
 const void* combineFnOut(int outType) {
   switch (outType) {
     case kTypeBf16:
-      return combineFn<kSend, kRecv, PT, __nv_bfloat16>();
+      return combineFn<kSend, kRecv, YT, __nv_bfloat16>();
     case kTypeF16:
-      return combineFn<kSend, kRecv, PT, __half>();
+      return combineFn<kSend, kRecv, YT, __half>();
     default:
-      return combineFn<kSend, kRecv, PT, float>();
+      return combineFn<kSend, kRecv, YT, float>();
   }
 }
 
-template <bool kSend, bool kRecv>
-const void* combineFnMode(int partialType, int outType) {
-  if constexpr (kSend && !kRecv) {
-    // The send half never touches outTokens: one instantiation per partial type.
-    switch (partialType) {
-      case kTypeBf16:
-        return combineFn<true, false, __nv_bfloat16, __nv_bfloat16>();
-      case kTypeF16:
-        return combineFn<true, false, __half, __half>();
-      default:
-        return combineFn<true, false, float, float>();
-    }
+// A kernel with the send half for expertY's type YT: the fused one (and outTokens' type) or the send-only one.
+template <bool kRecv, typename YT>
+const void* combineFnSend(int outType) {
+  if constexpr (kRecv) {
+    return combineFnOut<true, true, YT>(outType);
   } else {
-    switch (partialType) {
+    return combineFn<true, false, YT, float>();
+  }
+}
+
+// The partials between the halves are fp32 (combineSendBody), so the send-only kernel depends on expertY's type
+// alone, the receive-only kernel on outTokens' alone, and the fused kernel on both.
+template <bool kSend, bool kRecv>
+const void* combineFnMode(int yType, int outType) {
+  if constexpr (!kSend) {
+    return combineFnOut<false, true, float>(outType);
+  } else {
+    switch (yType) {
       case kTypeBf16:
-        return combineFnOut<kSend, kRecv, __nv_bfloat16>(outType);
+        return combineFnSend<kRecv, __nv_bfloat16>(outType);
       case kTypeF16:
-        return combineFnOut<kSend, kRecv, __half>(outType);
+        return combineFnSend<kRecv, __half>(outType);
       default:
-        return combineFnOut<kSend, kRecv, float>(outType);
+        return combineFnSend<kRecv, float>(outType);
     }
   }
 }
@@ -76,10 +80,10 @@ const void* dispatchFnFor(bool doSend, bool doRecv, int kind = kFusedAny) {
 }
 
 // The combine kernel for these halves and element types.
-const void* combineFnFor(bool doSend, bool doRecv, int partialType, int outType) {
-  return doSend && doRecv ? combineFnMode<true, true>(partialType, outType)
-         : doSend         ? combineFnMode<true, false>(partialType, outType)
-                          : combineFnMode<false, true>(partialType, outType);
+const void* combineFnFor(bool doSend, bool doRecv, int yType, int outType) {
+  return doSend && doRecv ? combineFnMode<true, true>(yType, outType)
+         : doSend         ? combineFnMode<true, false>(yType, outType)
+                          : combineFnMode<false, true>(yType, outType);
 }
 
 }  // namespace
@@ -89,9 +93,8 @@ KernelLaunch dispatchLaunch(const DispatchKernelArgs& args, bool doSend, bool do
                       args.g.blocks, args.g.threads, sharedBytes(args.g)};
 }
 
-KernelLaunch combineLaunch(const CombineKernelArgs& args, bool doSend, bool doRecv, int partialType, int outType) {
-  return KernelLaunch{combineFnFor(doSend, doRecv, partialType, outType), args.g.blocks, args.g.threads,
-                      sharedBytes(args.g)};
+KernelLaunch combineLaunch(const CombineKernelArgs& args, bool doSend, bool doRecv, int yType, int outType) {
+  return KernelLaunch{combineFnFor(doSend, doRecv, yType, outType), args.g.blocks, args.g.threads, sharedBytes(args.g)};
 }
 
 int launchKernel(const KernelLaunch& l, const void* args, void* stream) {
@@ -102,7 +105,8 @@ int launchKernel(const KernelLaunch& l, const void* args, void* stream) {
 
 int configureKernels(uint32_t bytes) {
   if (bytes <= 48 * 1024) return 0;
-  // Every kernel the launch selectors can return (the send-only combine ignores outType: set more than once).
+  // Every kernel the launch selectors can return (a combine half that does not run ignores its type: set more than
+  // once).
   constexpr bool kHalves[3][2] = {{true, true}, {true, false}, {false, true}};
   auto raise = [bytes](const void* fn) {
     return cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
@@ -112,8 +116,8 @@ int configureKernels(uint32_t bytes) {
     for (int kind = kFusedPush; kind <= kFusedPull && e == cudaSuccess && h[0] && h[1]; ++kind) {
       e = raise(dispatchFnFor(true, true, kind));
     }
-    for (int pt = kTypeBf16; pt <= kTypeF32 && e == cudaSuccess; ++pt) {
-      for (int ot = kTypeBf16; ot <= kTypeF32 && e == cudaSuccess; ++ot) e = raise(combineFnFor(h[0], h[1], pt, ot));
+    for (int yt = kTypeBf16; yt <= kTypeF32 && e == cudaSuccess; ++yt) {
+      for (int ot = kTypeBf16; ot <= kTypeF32 && e == cudaSuccess; ++ot) e = raise(combineFnFor(h[0], h[1], yt, ot));
     }
     if (e != cudaSuccess) return static_cast<int>(e);
   }

@@ -126,8 +126,9 @@ struct KernelLaunch {
 };
 /// The dispatch kernel for these halves.
 KernelLaunch dispatchLaunch(const DispatchKernelArgs& args, bool doSend, bool doRecv);
-/// The combine kernel; `partialType` is expertY's type (partials travel in it), `outType` outTokens'.
-KernelLaunch combineLaunch(const CombineKernelArgs& args, bool doSend, bool doRecv, int partialType, int outType);
+/// The combine kernel; `yType` is expertY's type (the send half's; ignored without it), `outType` outTokens' (the
+/// receive half's; ignored without it). The partials between the halves are fp32 whatever both types are.
+KernelLaunch combineLaunch(const CombineKernelArgs& args, bool doSend, bool doRecv, int yType, int outType);
 /// Launches `l` with `args` (a DispatchKernelArgs or CombineKernelArgs) on `stream`; returns the cudaError_t.
 int launchKernel(const KernelLaunch& l, const void* args, void* stream);
 /// Raises the dynamic shared-memory limit of every kernel to `bytes` (needed above 48 KiB).

@@ -59,7 +59,7 @@ EPCOMM_HD RouteEntry unpackEntry(uint32_t v) {
 ///                                       its own tokens in slots [rank][*] of its own region, read by receivers)
 ///   weights     u64 [W][Ts][K]          router weights pushed by the token's sender at combine start, each
 ///                                       tagged with the sender's combine round (round << 32 | f32 bits)
-///   partials    u8 [W][T][partialBytes] per expert rank e: sum over e's experts of w * y for token t
+///   partials    u8 [W][T][partialBytes] per expert rank e: fp32 sum over e's experts of w * y for token t
 struct Geometry {
   uint32_t worldSize, rank, dpSize, numExperts, numLocalExperts, topK;
   uint32_t maxTokens;       ///< T
@@ -68,7 +68,7 @@ struct Geometry {
   uint32_t hiddenBytes;     ///< dispatch payload bytes per token
   uint32_t scaleBytes;      ///< dispatch scale bytes per token
   uint32_t slotBytes;       ///< roundUp(hiddenBytes + scaleBytes, 16)
-  uint32_t partialBytes;    ///< H * 4 (room for fp32 partials)
+  uint32_t partialBytes;    ///< H * 4: fp32 partials, whatever expertY's type
   uint32_t blocks;          ///< B: blocks of every kernel, equal on every rank (flags count B signals per round)
   uint32_t routeBlocks;     ///< R: blocks sharing the routing scan (R route signals per sender per round)
   uint32_t threads;         ///< threads per block (kMaxThreads or kSmallThreads), equal on every rank
