@@ -532,9 +532,10 @@ TEST(NvlinkGpu, W2PeerNeverDispatchesTimesOut) {
 }
 
 // Threads per block shape the protocol (the routing scan's tables, the work split), so ranks that would use different
-// counts are refused at setup, each naming the knob and both values. Here the counts differ through the batch size: a
-// call of 128 tokens per rank on two ranks (256 tokens) takes 256-thread blocks, one of 129 (258) takes 512
-// (EPCOMM_NVLINK_BLOCKS keeps the block counts equal).
+// counts are refused at setup, each naming the knob and both values. Configs that differ (a batch size on either side
+// of 256 tokens) are refused earlier, by the factory's config check; what is left is the knob itself set differently
+// per rank: EPCOMM_NVLINK_THREADS = 256 on rank 0 and 512 on rank 1 (EPCOMM_NVLINK_BLOCKS keeps the block counts
+// equal). The variables are read once per process, in the children, after each child set its own.
 TEST(NvlinkGpu, W2RanksThatDisagreeOnThreadsAreRefused) {
   REQUIRE_GPUS(2);
   ScopedEnv env({{"EPCOMM_NVLINK_BLOCKS", "66"}});  // read once per process, in the children
@@ -544,8 +545,9 @@ TEST(NvlinkGpu, W2RanksThatDisagreeOnThreadsAreRefused) {
         int count = 0;
         CUDA_OK(cudaGetDeviceCount(&count));
         CUDA_OK(cudaSetDevice(rank % count));
+        setenv("EPCOMM_NVLINK_THREADS", rank == 0 ? "256" : "512", 1);
         Scenario s = base(2);
-        s.maxTokens = rank == 0 ? 128 : 129;
+        s.maxTokens = 128;
         try {
           std::unique_ptr<AllToAll> a2a = createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "nvlink");
           ADD_FAILURE() << "rank " << rank << ": ranks with 256- and 512-thread blocks were not refused";
