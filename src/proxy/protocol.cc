@@ -22,6 +22,8 @@ const char* phaseName(Phase phase) {
       return "combine rows";
     case Phase::kNotice:
       return "notice";
+    case Phase::kConnect:
+      return "hello (connection setup)";
   }
   return "?";
 }

@@ -24,7 +24,8 @@ enum class Phase : uint32_t {
   kCombineBf16 = 3,  ///< Combine rows (bf16) from an expert owner have landed.
   kCombineF16 = 4,
   kCombineF32 = 5,
-  kNotice = 6,  ///< The sender gave up a round, or refused a call of it: its notice (NoticeWire) has landed.
+  kNotice = 6,   ///< The sender gave up a round, or refused a call of it: its notice (NoticeWire) has landed.
+  kConnect = 7,  ///< Connection setup at creation: the (lower) sender's connection to this rank is up.
 };
 
 /// "head", "bulk", "barrier", "combine".

@@ -145,6 +145,9 @@ ProxyChannel::ProxyChannel(const Config& config, Bootstrap& bootstrap, const Cha
   stats_.peers.assign(world_, PeerOps{});
   // Nobody writes before every peer has registered its buffers and added its peers.
   bootstrap.barrier();
+  connectInRankOrder();
+  // Every pair's connection is up before anyone's first round.
+  bootstrap.barrier();
   EPCOMM_LOG(kInfo, "proxy channel: object " << objectId_ << " provider " << engine_->providerName() << " private "
                                              << sizes_.privateTokens << " tokens, entry " << sizes_.entryBytes
                                              << " bytes, " << bufferBytes() << " bytes registered");
@@ -405,7 +408,7 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
   Backoff backoff;
   // A peer that combined another dtype would otherwise look like a late one.
   auto checkDtypes = [&] {
-    if (phase < Phase::kCombineBf16) return;
+    if (phase < Phase::kCombineBf16 || phase > Phase::kCombineF32) return;
     for (Phase other : {Phase::kCombineBf16, Phase::kCombineF16, Phase::kCombineF32}) {
       if (other == phase) continue;
       for (uint32_t s : senders) {
@@ -629,6 +632,33 @@ void ProxyChannel::checkNotices(uint32_t kind, uint32_t round, const std::vector
       cv_.notify_all();
     }
   }
+}
+
+// NOTE: connection-oriented providers (tcp;ofi_rxm, verbs;ofi_rxm) open a pair's connection lazily, on its first
+// transfer. Left alone, every pair's first transfers start from both ends at once (each rank's first dispatch writes to
+// every peer) and rxm has to resolve simultaneous connection requests: its log (FI_LOG_LEVEL=info) showed 16 such
+// resolutions in 3 fresh W = 4 objects over tcp ('simultaneous, reject peer', 'simultaneous, accept peer', 'rejected,
+// already connected', 'Connection refused'). The resolution closes one of the two connections, and a transfer that
+// the other side already started on it is lost or fails ('Transport endpoint is not connected'). Measured without
+// this step: 1 of 400 fresh W = 4 objects over tcp (Python API, fresh processes) lost round 0 (one rank's head reached
+// no peer and no peer's head reached it; all waited out the timeout). So each pair is opened by its lower rank alone:
+// rank r says hello to every higher rank and waits for the hello of every lower one, and the creator's barrier that
+// follows puts every pair's connection up before any round. The log then shows one connection request per pair, no
+// collision.
+void ProxyChannel::connectInRankOrder() {
+  std::vector<uint32_t> lower;
+  fabric::Completion done;
+  done.counter = &localDone_;
+  for (uint32_t p : peerRanks_) {
+    if (p < rank_) {
+      lower.push_back(p);
+      continue;
+    }
+    ++localPosted_;
+    engine_->immediate(peerIds_[p], encodeImm(objectId_, Phase::kConnect, 0, rank_), done);
+  }
+  waitFromPeers(Phase::kConnect, 0, lower, "connection setup");
+  waitLocalCompletions("connection setup", 0);
 }
 
 void ProxyChannel::runBarrier(const Job& job) {

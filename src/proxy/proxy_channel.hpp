@@ -166,6 +166,8 @@ class ProxyChannel {
   // Waits until every sender in `senders` delivered one immediate of `phase` for `round`, consuming them.
   void waitFromPeers(Phase phase, uint32_t round, std::vector<uint32_t> senders, const char* what);
   void waitLocalCompletions(const char* what, uint32_t round);
+  // Opens every pair's connection from its lower rank only, before the first round (see the NOTE in the .cc).
+  void connectInRankOrder();
   void post(const Job& job);
   // Runs `job` on the calling thread (externalDriver), counting it or recording its error.
   void runExternal(const Job& job);
