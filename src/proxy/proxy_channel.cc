@@ -165,8 +165,16 @@ ProxyChannel::~ProxyChannel() {
   const int64_t deadline = nowMs() + std::min<int64_t>(timeoutMs_, 2000);
   Backoff backoff;
   while (localDone_.load() < localPosted_ && nowMs() < deadline) backoff.pause();
+  // Notices to peers that are gone fail (the engine records it) or never complete: neither is worth more waiting.
   std::lock_guard<std::mutex> lock(noticeMu_);
-  while (noticeDone_.load() < noticePosted_ && nowMs() < deadline) backoff.pause();
+  while (noticeDone_.load() < noticePosted_ && nowMs() < deadline) {
+    try {
+      engine_->checkErrors();
+    } catch (const Error&) {
+      break;
+    }
+    backoff.pause();
+  }
 }
 
 std::string ProxyChannel::providerName() const { return engine_->providerName(); }

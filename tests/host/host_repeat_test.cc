@@ -80,7 +80,7 @@ void fourRounds(const Scenario& base, uint32_t i, int rank, Bootstrap& bootstrap
 // Every object in a fresh set of processes (each its own bootstrap): the first connections of each process.
 TEST(HostRepeat, FreshProcessesOverTcp) {
   if (!tcpAvailable()) GTEST_SKIP() << "libfabric provider 'tcp' is not usable here";
-  const uint32_t n = repeats(20);
+  const uint32_t n = repeats(10);
   const Scenario base = tcpScenario();
   RunOptions opts;
   opts.deadlineMs = 60000;
@@ -102,7 +102,7 @@ TEST(HostRepeat, FreshProcessesOverTcp) {
 // Every object in the same processes: connection setup of new endpoints next to the torn-down ones.
 TEST(HostRepeat, FreshObjectsOverTcp) {
   if (!tcpAvailable()) GTEST_SKIP() << "libfabric provider 'tcp' is not usable here";
-  const uint32_t n = repeats(20);
+  const uint32_t n = repeats(10);
   const Scenario base = tcpScenario();
   RunOptions opts;
   opts.deadlineMs = 60000 + static_cast<int64_t>(n) * 4000;
