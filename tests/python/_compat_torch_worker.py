@@ -112,8 +112,10 @@ def _deepep_scenario(torch, epcomm, dist, rank, world, device, backend, use_fp8,
     for t in range(m):
         xt = x_all[rank][t:t + 1]
         if use_fp8:
-            qq, ss = deep_ep.per_token_cast_to_fp8(xt)
-            xt_deq = qq.float() * ss.repeat_interleave(128, dim=1)
+            # The cast as the sending rank made it: on its device (torch's CUDA and CPU casts may differ in
+            # the last fp8 bit, which the dispatch check above tolerates).
+            qq, ss = deep_ep.per_token_cast_to_fp8(xt.to(device))
+            xt_deq = qq.float().cpu() * ss.cpu().repeat_interleave(128, dim=1)
         else:
             xt_deq = xt.float()
         for k in range(K):
