@@ -1,0 +1,370 @@
+// Dispatch kernels of the GPU proxy backend: the send half (routing, then packing the entries into the send slots)
+// and the receive half (ranking the received entries, then copying them into their expert rows). Part of
+// proxy_kernels.cu's translation unit: include it only there.
+#pragma once
+
+#include "backends/proxy/proxy_wait.cuh"
+
+namespace epcomm {
+namespace gpuproxy {
+namespace {
+
+// ---- Dispatch send -----------------------------------------------------------------------------------------------
+
+// One block of kRankThreads. Checks every index of the tokens < bound (every rank of a DP group checks the same
+// tokens); writes the group tokens' experts (deduplicated, -1 masked) and, per (group sender d, expert e), the row of
+// each (token, k) among d's rows of e (combine finds its rows with them); for this rank's own tokens, the entry index
+// of each (token, owner) in the owner's send slot; and the head (expertCounts, entryCounts) into every send slot.
+__global__ void __launch_bounds__(kRankThreads) dispatchRouteKernel(const DispatchSendArgs a) {
+  const DeviceState& st = a.st;
+  if (halted(st)) return;
+  const proxy::ProtocolSizes& s = a.sizes;
+  const uint32_t K = s.expertsPerToken, E = s.numExperts, L = s.numLocalExperts, W = s.worldSize, D = s.dpSize;
+  const uint32_t me = s.rank, T = a.maxNumTokens;
+  const uint32_t round = *seqWord(st, kSeqDispatchSend);
+  if (threadIdx.x == 0) stamp(st, round, &TraceRound::packStart);
+  const uint32_t bound = effectiveBound(a.boundM, a.m);
+  if (threadIdx.x == 0) *reinterpret_cast<uint32_t*>(st.scratch + st.sg.offBound) = bound;
+  int32_t* experts = reinterpret_cast<int32_t*>(st.scratch + st.sg.offExperts);
+  uint64_t* pos = reinterpret_cast<uint64_t*>(st.scratch + st.sg.offPos);
+  uint32_t* entryOf = reinterpret_cast<uint32_t*>(st.scratch + st.sg.offEntryOf);
+  uint32_t* hist = reinterpret_cast<uint32_t*>(st.scratch + st.sg.offHist);
+
+  auto load = [&](uint32_t t, uint32_t k) {
+    return decodeIndex(a.indices, a.indexKind,
+                       static_cast<int64_t>(t) * a.indexStrides[0] + static_cast<int64_t>(k) * a.indexStrides[1]);
+  };
+  // 1. Experts of every (t, k) of the call's maxNumTokens rows: masked, repeated, out of range (recorded) and rows
+  //    >= bound are -1. pos / entryOf are cleared for all of them (a later combine reads them for its own rows).
+  for (uint32_t i = threadIdx.x; i < T * K; i += blockDim.x) {
+    const uint32_t t = i / K, k = i % K;
+    int64_t e = -1;
+    if (t < bound) {
+      e = load(t, k);
+      if (e < -1 || e >= static_cast<int64_t>(E)) {
+        recordError(st, kPhaseBadIndex, static_cast<int32_t>(me), -1, t,
+                    (static_cast<int64_t>(k) << 32) | static_cast<uint32_t>(static_cast<int32_t>(e)), false);
+        e = -1;
+      }
+      for (uint32_t j = 0; j < k && e >= 0; ++j) {
+        if (load(t, j) == e) e = -1;  // delivered once, at its first position
+      }
+    }
+    experts[i] = static_cast<int32_t>(e);
+    pos[i] = 0;
+    entryOf[i] = ~0u;
+  }
+  __syncthreads();
+
+  const uint32_t w = warpId(), lane = laneId();
+  // 2. Rows per (group sender d, expert e): tokens t = d, d + D, ... in order, ranked per expert.
+  for (uint32_t d = 0; d < D; ++d) {
+    const uint32_t n = numTokensSentBy(d, bound, D);
+    uint32_t begin, end;
+    warpChunk(n, w, begin, end);
+    uint32_t* row = hist + w * E;
+    for (uint32_t e = lane; e < E; e += 32) row[e] = 0;
+    __syncwarp();
+    for (uint32_t i = begin; i < end; ++i) {
+      const uint32_t t = d + i * D;
+      for (uint32_t k = lane; k < K; k += 32) {
+        const int32_t e = experts[t * K + k];
+        if (e >= 0) ++row[e];  // a token's experts are distinct: no two lanes share e
+      }
+      __syncwarp();
+    }
+    __syncthreads();
+    uint32_t* counts = reinterpret_cast<uint32_t*>(st.scratch + st.sg.offCounts);
+    prefixOverWarps(hist, E, counts, 0);
+    __syncthreads();
+    if (d == me % D) {
+      // Head, part 1: rows this rank sends each expert, the same in every send slot.
+      for (uint32_t i = threadIdx.x; i < W * E; i += blockDim.x) {
+        const uint32_t p = i / E, e = i % E;
+        proxy::headExpertCounts(a.ch.send + s.sendSlotOffset(p))[e] = counts[e];
+      }
+    }
+    for (uint32_t i = begin; i < end; ++i) {
+      const uint32_t t = d + i * D;
+      for (uint32_t k = lane; k < K; k += 32) {
+        const int32_t e = experts[t * K + k];
+        if (e >= 0) pos[t * K + k] = (static_cast<uint64_t>(e + 1) << 32) | row[e]++;
+      }
+      __syncwarp();
+    }
+    __syncthreads();
+  }
+
+  // 3. Entries per destination rank, for this rank's own tokens: one per (token, owner), tokens ascending.
+  {
+    const uint32_t d = me % D;
+    const uint32_t n = numTokensSentBy(me, bound, D);
+    uint32_t begin, end;
+    warpChunk(n, w, begin, end);
+    uint32_t* row = hist + w * W;
+    for (uint32_t p = lane; p < W; p += 32) row[p] = 0;
+    __syncwarp();
+    // The first k of each owner among the token's experts (k order, as the host loop's first-use order).
+    auto firstOfOwner = [&](uint32_t t, uint32_t k, int32_t e) {
+      const uint32_t o = static_cast<uint32_t>(e) / L;
+      for (uint32_t j = 0; j < k; ++j) {
+        const int32_t f = experts[t * K + j];
+        if (f >= 0 && static_cast<uint32_t>(f) / L == o) return false;
+      }
+      return true;
+    };
+    for (uint32_t i = begin; i < end; ++i) {
+      const uint32_t t = d + i * D;
+      for (uint32_t k = lane; k < K; k += 32) {
+        const int32_t e = experts[t * K + k];
+        if (e >= 0 && firstOfOwner(t, k, e)) ++row[static_cast<uint32_t>(e) / L];
+      }
+      __syncwarp();
+    }
+    __syncthreads();
+    uint32_t* counts = reinterpret_cast<uint32_t*>(st.scratch + st.sg.offCounts);
+    prefixOverWarps(hist, W, counts, 0);
+    __syncthreads();
+    // Head, part 2: entries this rank sends each rank.
+    for (uint32_t i = threadIdx.x; i < W * W; i += blockDim.x) {
+      const uint32_t p = i / W, q = i % W;
+      proxy::headEntryCounts(a.ch.send + s.sendSlotOffset(p), E)[q] = counts[q];
+    }
+    for (uint32_t i = begin; i < end; ++i) {
+      const uint32_t t = d + i * D;
+      for (uint32_t k = lane; k < K; k += 32) {
+        const int32_t e = experts[t * K + k];
+        if (e >= 0 && firstOfOwner(t, k, e)) entryOf[t * K + k] = row[static_cast<uint32_t>(e) / L]++;
+      }
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) __threadfence_system();  // the heads (host memory) before the pack kernel's signal
+}
+
+// Many blocks: one warp per own token packs its entries ([payload][scales][u32 token][u16 n][u16 le[n]]) into the
+// destinations' send slots; the last block signals dispatchReady.
+__global__ void __launch_bounds__(kCopyThreads) dispatchPackKernel(const DispatchSendArgs a) {
+  const DeviceState& st = a.st;
+  if (halted(st)) return;
+  const proxy::ProtocolSizes& s = a.sizes;
+  const uint32_t K = s.expertsPerToken, L = s.numLocalExperts, D = s.dpSize, me = s.rank;
+  const uint32_t round = *seqWord(st, kSeqDispatchSend);
+  const uint32_t bound = *reinterpret_cast<const uint32_t*>(st.scratch + st.sg.offBound);
+  const int32_t* experts = reinterpret_cast<const int32_t*>(st.scratch + st.sg.offExperts);
+  const uint32_t* entryOf = reinterpret_cast<const uint32_t*>(st.scratch + st.sg.offEntryOf);
+  const uint32_t n = numTokensSentBy(me, bound, D);
+  const uint32_t lane = laneId();
+  const uint32_t warps = gridDim.x * (blockDim.x / 32);
+  const uint32_t scaleWords = static_cast<uint32_t>(s.scaleBytes / 4);
+  for (uint32_t i = blockIdx.x + gridDim.x * warpId(); i < n; i += warps) {
+    const uint32_t t = me % D + i * D;
+    const uint8_t* xRow = a.x + static_cast<int64_t>(t) * a.xRowStrideBytes;
+    for (uint32_t k = 0; k < K; ++k) {
+      const uint32_t ent = entryOf[t * K + k];
+      if (ent == ~0u) continue;  // warp-uniform
+      const uint32_t owner = static_cast<uint32_t>(experts[t * K + k]) / L;
+      uint8_t* entry = a.ch.send + s.sendSlotOffset(owner) + s.headBytes + static_cast<uint64_t>(ent) * s.entryBytes;
+      for (uint64_t off = lane * 16ull; off < s.payloadBytes; off += 32 * 16) {
+        st16(entry + off, *reinterpret_cast<const int4*>(xRow + off));
+      }
+      for (uint32_t j = lane; j < scaleWords; j += 32) {
+        const uint32_t v =
+            *reinterpret_cast<const uint32_t*>(a.xScale + 4 * (static_cast<int64_t>(t) * a.xScaleStrides[0] +
+                                                               static_cast<int64_t>(j) * a.xScaleStrides[1]));
+        reinterpret_cast<uint32_t*>(entry + s.payloadBytes)[j] = v;
+      }
+      // Metadata: this owner's local experts in k order (from k on: earlier k have other owners).
+      uint8_t* meta = entry + s.metaOffset;
+      uint32_t count = 0;
+      for (uint32_t k0 = k; k0 < K; k0 += 32) {
+        const uint32_t kk = k0 + lane;
+        const int32_t e = kk < K ? experts[t * K + kk] : -1;
+        const bool mine = e >= 0 && static_cast<uint32_t>(e) / L == owner;
+        const uint32_t mask = __ballot_sync(0xffffffffu, mine);
+        if (mine) {
+          const uint32_t at = count + __popc(mask & ((1u << lane) - 1));
+          reinterpret_cast<uint16_t*>(meta + proxy::kEntryExpertsOffset)[at] =
+              static_cast<uint16_t>(static_cast<uint32_t>(e) % L);
+        }
+        count += __popc(mask);
+      }
+      if (lane == 0) {
+        *reinterpret_cast<uint32_t*>(meta + proxy::kEntryTokenOffset) = t;
+        *reinterpret_cast<uint16_t*>(meta + proxy::kEntryCountOffset) = static_cast<uint16_t>(count);
+      }
+    }
+  }
+  lastBlock(st, kSeqDispatchSend, [&] {
+    *seqWord(st, kSeqDispatchSend) = round + 1;
+    stamp(st, round, &TraceRound::packReady);
+    stReleaseSys(&st.mailbox->dispatchReady, round + 1);
+  });
+}
+
+// ---- Dispatch receive --------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ const uint8_t* entryAt(const DispatchRecvArgs& a, uint32_t src, uint32_t j,
+                                                  uint32_t overflowStart) {
+  const proxy::ProtocolSizes& s = a.sizes;
+  // This rank's own entries are read in place from its send slot (no loopback), as the host backend does.
+  if (src == s.rank)
+    return a.ch.send + s.sendSlotOffset(s.rank) + s.headBytes + static_cast<uint64_t>(j) * s.entryBytes;
+  return a.ch.recv + proxy::recvEntryOffset(s, src, j, overflowStart);
+}
+
+__device__ __forceinline__ uint32_t* entryCountOf(const DispatchRecvArgs& a, uint32_t src, uint32_t j) {
+  return reinterpret_cast<uint32_t*>(a.st.scratch + a.st.sg.offEntryN) +
+         static_cast<uint64_t>(src) * a.sizes.maxSendTokens + j;
+}
+
+__device__ __forceinline__ uint32_t* rowsOf(const DispatchRecvArgs& a, uint32_t src, uint32_t j) {
+  return reinterpret_cast<uint32_t*>(a.st.scratch + a.st.sg.offRowOf) +
+         (static_cast<uint64_t>(src) * a.sizes.maxSendTokens + j) * a.sizes.maxLocalPerEntry;
+}
+
+// One block per sender src (kRankThreads): waits for the proxy's arrival word, reads src's entries' metadata, and
+// gives each (entry, local expert) its output row: rows of local expert le are ordered by (sender, token), and an
+// entry's rank among src's entries naming le is its rank among src's tokens of that expert. Block 0 also writes
+// outExpertNumTokens. Counts that disagree with src's head are recorded as a corrupt receive buffer.
+__global__ void __launch_bounds__(kRankThreads) dispatchRankKernel(const DispatchRecvArgs a) {
+  const DeviceState& st = a.st;
+  const proxy::ProtocolSizes& s = a.sizes;
+  const TableGeometry& tg = a.tg;
+  const uint32_t L = s.numLocalExperts, W = s.worldSize, me = s.rank, src = blockIdx.x;
+  __shared__ int ok;
+  const uint32_t round = *seqWord(st, kSeqDispatchRecv);
+  if (threadIdx.x == 0) {
+    ok = !halted(st) &&
+         waitArrival(st, 0, &st.mailbox->dispatchArrived, round + 1, kPhaseDispatchArrival, static_cast<int32_t>(me));
+    if (ok && src == 0) stamp(st, round, &TraceRound::unpackStart);
+  }
+  __syncthreads();
+  if (!ok) return;
+  const uint32_t* tables = a.ch.tables;
+  uint32_t n = ldVolatileU32(tables + tg.offEntries + src);
+  if (n > s.maxSendTokens) {
+    recordError(st, kPhaseCorruptEntry, static_cast<int32_t>(me), static_cast<int32_t>(src), n, s.maxSendTokens, true);
+    n = 0;
+  }
+  const uint32_t overflowStart = ldVolatileU32(tables + tg.offOverflowStart + src);
+  if (src == 0) {
+    for (uint32_t le = threadIdx.x; le < L; le += blockDim.x) {
+      a.outNumTokens[le] = static_cast<int32_t>(ldVolatileU32(tables + tg.offLocalRows + le));
+    }
+  }
+  // Metadata into the scratch: one pass of parallel loads over host memory.
+  for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
+    const uint8_t* meta = entryAt(a, src, j, overflowStart) + s.metaOffset;
+    uint32_t count = ldVolatileU16(meta + proxy::kEntryCountOffset);
+    if (count < 1 || count > s.maxLocalPerEntry) {
+      recordError(st, kPhaseCorruptEntry, static_cast<int32_t>(me), static_cast<int32_t>(src), j, count, true);
+      count = 0;
+    }
+    uint32_t* rows = rowsOf(a, src, j);
+    for (uint32_t i = 0; i < count; ++i) {
+      uint32_t le = ldVolatileU16(meta + proxy::kEntryExpertsOffset + 2 * i);
+      if (le >= L) {
+        recordError(st, kPhaseCorruptEntry, static_cast<int32_t>(me), static_cast<int32_t>(src), j, le, true);
+        le = 0;
+        count = i;
+      }
+      rows[i] = le;
+    }
+    *entryCountOf(a, src, j) = count;
+  }
+  __syncthreads();
+  uint32_t* hist = reinterpret_cast<uint32_t*>(st.scratch + st.sg.offRecvHist) + src * kRankWarps * L;
+  const uint32_t w = warpId(), lane = laneId();
+  uint32_t begin, end;
+  warpChunk(n, w, begin, end);
+  uint32_t* row = hist + w * L;
+  for (uint32_t le = lane; le < L; le += 32) row[le] = 0;
+  __syncwarp();
+  for (uint32_t j = begin; j < end; ++j) {
+    const uint32_t count = *entryCountOf(a, src, j);
+    const uint32_t* rows = rowsOf(a, src, j);
+    for (uint32_t i = lane; i < count; i += 32) ++row[rows[i]];  // an entry's experts are distinct
+    __syncwarp();
+  }
+  __syncthreads();
+  for (uint32_t le = threadIdx.x; le < L; le += blockDim.x) {
+    const uint32_t first = ldVolatileU32(tables + tg.offSlotOffset + le * (W + 1) + src);
+    const uint32_t next = ldVolatileU32(tables + tg.offSlotOffset + le * (W + 1) + src + 1);
+    uint32_t run = ldVolatileU32(tables + tg.offOutputRowBase + le) + first;
+    for (uint32_t v = 0; v < kRankWarps; ++v) {
+      const uint32_t c = hist[v * L + le];
+      hist[v * L + le] = run;
+      run += c;
+    }
+    const uint32_t got = run - first - ldVolatileU32(tables + tg.offOutputRowBase + le);
+    if (got != next - first) {
+      recordError(st, kPhaseCorruptEntry, static_cast<int32_t>(me), static_cast<int32_t>(src),
+                  (static_cast<int64_t>(le) << 32) | got, next - first, true);
+    }
+  }
+  __syncthreads();
+  for (uint32_t j = begin; j < end; ++j) {
+    const uint32_t count = *entryCountOf(a, src, j);
+    uint32_t* rows = rowsOf(a, src, j);
+    for (uint32_t i = lane; i < count; i += 32) rows[i] = row[rows[i]]++;
+    __syncwarp();
+  }
+  lastBlock(st, kSeqDispatchRecv, [&] { *seqWord(st, kSeqDispatchRecv) = round + 1; });
+}
+
+// Many blocks: one warp per received entry copies its payload and scales from host memory into each of its rows.
+__global__ void __launch_bounds__(kCopyThreads) dispatchCopyKernel(const DispatchRecvArgs a) {
+  const DeviceState& st = a.st;
+  extern __shared__ uint32_t entryStart[];  // [W + 1]
+  const proxy::ProtocolSizes& s = a.sizes;
+  const TableGeometry& tg = a.tg;
+  const uint32_t W = s.worldSize;
+  if (halted(st)) return;  // the rank kernel gave up: the tables are not this round's
+  for (uint32_t i = threadIdx.x; i <= W; i += blockDim.x) {
+    entryStart[i] = ldVolatileU32(a.ch.tables + tg.offEntryStart + i);
+  }
+  __syncthreads();
+  const bool batched = s.layout == Layout::kBatched;
+  const uint64_t R = s.batchedRowsPerExpert;
+  const uint32_t scaleWords = static_cast<uint32_t>(s.scaleBytes / 4);
+  const uint32_t lane = laneId();
+  const uint32_t warps = gridDim.x * (blockDim.x / 32);
+  const uint32_t total = entryStart[W];
+  uint32_t src = 0;
+  for (uint32_t u = blockIdx.x + gridDim.x * warpId(); u < total; u += warps) {
+    while (entryStart[src + 1] <= u) ++src;  // items ascend per warp: the sender only moves forward
+    const uint32_t j = u - entryStart[src];
+    const uint8_t* entry = entryAt(a, src, j, ldVolatileU32(a.ch.tables + tg.offOverflowStart + src));
+    const uint32_t count = *entryCountOf(a, src, j);
+    const uint32_t* rows = rowsOf(a, src, j);
+    for (uint64_t off = lane * 16ull; off < s.payloadBytes; off += 32 * 16) {
+      const int4 v = ldVolatile16(entry + off);
+      for (uint32_t i = 0; i < count; ++i) {
+        const uint64_t r = rows[i];
+        const int64_t e = batched ? static_cast<int64_t>(r / R) : 0;
+        const int64_t rr = batched ? static_cast<int64_t>(r % R) : static_cast<int64_t>(r);
+        st16(a.outX + e * a.outExpertStrideBytes + rr * a.outRowStrideBytes + off, v);
+      }
+    }
+    for (uint32_t c = lane; c < scaleWords; c += 32) {
+      const uint32_t v = ldVolatileU32(entry + s.payloadBytes + 4 * c);
+      for (uint32_t i = 0; i < count; ++i) {
+        const uint64_t r = rows[i];
+        const int64_t e = batched ? static_cast<int64_t>(r / R) : 0;
+        const int64_t rr = batched ? static_cast<int64_t>(r % R) : static_cast<int64_t>(r);
+        reinterpret_cast<uint32_t*>(a.outScale)[e * a.outScaleStrides[0] + rr * a.outScaleStrides[1] +
+                                                static_cast<int64_t>(c) * a.outScaleStrides[2]] = v;
+      }
+    }
+  }
+  if (st.trace != nullptr) {
+    const uint32_t round = *seqWord(st, kSeqDispatchRecv) - 1;  // the rank kernel advanced it
+    lastBlock(st, kSeqDispatchRecv, [&] { stamp(st, round, &TraceRound::unpackEnd); });
+  }
+}
+
+}  // namespace
+}  // namespace gpuproxy
+}  // namespace epcomm

@@ -1,0 +1,218 @@
+// Mailbox and arrival waits, error records, the last-block hand-off, trace stamps, and the small warp helpers of the
+// GPU proxy backend's kernels: the primitives every dispatch and combine kernel builds on. Part of proxy_kernels.cu's
+// translation unit: include it only there.
+//
+// Ordering argument (docs/proxy.md): the channel's buffers, the tables and the mailbox are pinned host memory mapped
+// into the GPU. A send kernel's blocks store into them, then __syncthreads() and thread 0's fence.acq_rel.sys plus a
+// device-scope counter; the last block to arrive fences again and stores the round into the mailbox with
+// st.release.sys (fence + barrier cumulativity: every block's stores are visible to the host first). The proxy thread
+// writes received data and tables (the engine's copies, its own stores), then the arrival word with a release store;
+// a receive block polls it with ld.acquire.sys, __syncthreads(), and its threads read the host memory with
+// ld.volatile (relaxed, system scope: never a stale cached copy of an earlier round).
+//
+// Every wait is bounded: twice EPCOMM_TIMEOUT_MS (the proxy's own waits, which name the missing peer, fire first and
+// raise the mailbox's abort word, which stops the kernels' waits at once). A kernel that gives up records an error in
+// the host-mapped record and never traps.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "backends/proxy/proxy_kernels.hpp"
+#include "core/layout.hpp"
+#include "epcomm/device/ptx.cuh"
+
+namespace epcomm {
+namespace gpuproxy {
+namespace {
+
+using device::fenceAcqRelSys;
+using device::globalTimerNs;
+using device::ldAcquireSys;
+using device::ldVolatile16;
+using device::st16;
+using device::stReleaseSys;
+
+constexpr int kSeqDispatchSend = 0;
+constexpr int kSeqDispatchRecv = 1;
+constexpr int kSeqCombineSend = 2;
+constexpr int kSeqCombineRecv = 3;
+
+constexpr uint32_t kRankThreads = kRankWarps * 32;
+constexpr uint32_t kCopyThreads = 512;
+constexpr uint32_t kSumThreads = 256;
+
+// Combine element types (CombineSendArgs::yType, CombineRecvArgs::outType): 0 bf16, 1 fp16, 2 fp32.
+constexpr int kBf16 = 0;
+constexpr int kF16 = 1;
+constexpr int kF32 = 2;
+
+// ---- Object state ------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t* seqWord(const DeviceState& st, int i) {
+  return reinterpret_cast<uint32_t*>(st.scratch + st.sg.offSeq) + i;
+}
+__device__ __forceinline__ uint32_t* doneWord(const DeviceState& st, int i) {
+  return reinterpret_cast<uint32_t*>(st.scratch + st.sg.offDone) + i;
+}
+// Claimed word: bit 0 = an error was recorded, bit 1 = kernels must stop (the object's state is no longer valid).
+__device__ __forceinline__ int32_t* claimWord(const DeviceState& st) {
+  return reinterpret_cast<int32_t*>(st.scratch + st.sg.offClaimed);
+}
+
+__device__ __forceinline__ uint32_t ldVolatileU32(const void* p) {
+  uint32_t v;
+  asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint16_t ldVolatileU16(const void* p) {
+  uint16_t v;
+  asm volatile("ld.volatile.global.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ int32_t ldVolatileI32(const void* p) { return static_cast<int32_t>(ldVolatileU32(p)); }
+__device__ __forceinline__ uint64_t ldAcquireGpu64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void stReleaseGpu64(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Whether kernels must stop: a kernel of this object halted it, or the proxy thread failed (mailbox abort).
+__device__ __forceinline__ bool haltedAt(const int32_t* claim, const Mailbox* mailbox) {
+  return (ldVolatileI32(claim) & 2) != 0 || ldVolatileI32(&mailbox->abort) != 0;
+}
+__device__ __forceinline__ bool halted(const DeviceState& st) { return haltedAt(claimWord(st), st.mailbox); }
+
+// Records the first error of the object (later ones are dropped: the host reports one). `halt`: also stop every
+// kernel of the object (a timeout or a corrupt buffer); a bad index only skips what it names. Scalar arguments: a
+// reference to the kernel's parameters would make every kernel copy them to local memory.
+__device__ __noinline__ void recordErrorAt(int32_t* claim, Mailbox* mailbox, int32_t phase, int32_t rank, int32_t peer,
+                                           int64_t a, int64_t b, bool halt) {
+  const int32_t old = atomicOr(claim, halt ? 3 : 1);
+  if ((old & 1) != 0) return;
+  volatile ErrorRecord* r = &mailbox->error;
+  r->rank = rank;
+  r->peer = peer;
+  r->block = static_cast<int32_t>(blockIdx.x);
+  r->a = a;
+  r->b = b;
+  __threadfence_system();
+  r->code = phase;
+  __threadfence_system();
+}
+__device__ __forceinline__ void recordError(const DeviceState& st, int32_t phase, int32_t rank, int32_t peer, int64_t a,
+                                            int64_t b, bool halt) {
+  recordErrorAt(claimWord(st), st.mailbox, phase, rank, peer, a, b, halt);
+}
+
+// Thread 0: waits until the mailbox word reaches `want` (ld.acquire.sys), bounded by twice EPCOMM_TIMEOUT_MS; stops
+// at once when the object halts. False when it gave up (a timeout is recorded, naming the phase).
+__device__ __noinline__ bool waitMailboxAt(int32_t* claim, Mailbox* mailbox, uint64_t timeoutNs, const uint64_t* word,
+                                           uint64_t want, int32_t phase, int32_t rank) {
+  uint64_t v = ldAcquireSys(word);
+  if (v >= want) return true;
+  const uint64_t start = globalTimerNs();
+  for (uint32_t i = 1;; ++i) {
+    __nanosleep(64);
+    v = ldAcquireSys(word);
+    if (v >= want) return true;
+    if ((i & 63) == 0) {
+      if (haltedAt(claim, mailbox)) return false;
+      if (globalTimerNs() - start > 2 * timeoutNs) {
+        recordErrorAt(claim, mailbox, phase, rank, -1, static_cast<int64_t>(v), static_cast<int64_t>(want), true);
+        return false;
+      }
+    }
+  }
+}
+// Thread 0 of every block: waits for the proxy's arrival word `which` (0 dispatch, 1 combine) to reach `want`. Only
+// block 0 polls the host word (one PCIe read stream instead of one per block); it relays the value into device
+// memory (release at GPU scope after its system-scope acquire: the other blocks' acquire completes the chain) and
+// the others poll that. Every block's wait is bounded; when block 0 gives up it halts the object, which stops them.
+__device__ __noinline__ bool waitArrivalAt(int32_t* claim, Mailbox* mailbox, uint64_t timeoutNs, uint64_t* relay,
+                                           const uint64_t* word, uint64_t want, int32_t phase, int32_t rank) {
+  if (blockIdx.x == 0) {
+    if (!waitMailboxAt(claim, mailbox, timeoutNs, word, want, phase, rank)) return false;
+    stReleaseGpu64(relay, want);
+    return true;
+  }
+  if (ldAcquireGpu64(relay) >= want) return true;
+  const uint64_t start = globalTimerNs();
+  for (uint32_t i = 1;; ++i) {
+    __nanosleep(32);
+    if (ldAcquireGpu64(relay) >= want) return true;
+    if ((i & 255) == 0) {
+      if (haltedAt(claim, mailbox)) return false;
+      // Block 0 records the timeout (naming the phase); this bound only guards against it never running.
+      if (globalTimerNs() - start > 3 * timeoutNs) {
+        recordErrorAt(claim, mailbox, phase, rank, -1, static_cast<int64_t>(ldAcquireGpu64(relay)),
+                      static_cast<int64_t>(want), true);
+        return false;
+      }
+    }
+  }
+}
+__device__ __forceinline__ bool waitArrival(const DeviceState& st, int which, const uint64_t* word, uint64_t want,
+                                            int32_t phase, int32_t rank) {
+  uint64_t* relay = reinterpret_cast<uint64_t*>(st.scratch + st.sg.offArrived) + which;
+  return waitArrivalAt(claimWord(st), st.mailbox, st.timeoutNs, relay, word, want, phase, rank);
+}
+
+// Every block of a launch calls this last (all threads). The last block to arrive runs `last` (thread 0), after
+// every block's stores are visible at system scope, and resets the arrival counter for the next launch.
+template <typename Last>
+__device__ __forceinline__ void lastBlock(const DeviceState& st, int which, Last last) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  fenceAcqRelSys();
+  const uint32_t arrived = atomicAdd(doneWord(st, which), 1u);
+  if (arrived + 1 != gridDim.x) return;
+  fenceAcqRelSys();
+  *doneWord(st, which) = 0;
+  last();
+}
+
+__device__ __forceinline__ void stamp(const DeviceState& st, uint32_t round, uint64_t TraceRound::*field) {
+  if (st.trace != nullptr) {
+    volatile uint64_t* p = &(st.trace[round % kTraceRounds].*field);
+    *p = globalTimerNs();
+  }
+}
+
+__device__ __forceinline__ uint32_t effectiveBound(const int32_t* boundM, uint32_t m) {
+  if (boundM == nullptr) return m;
+  const int32_t b = *boundM;
+  if (b < 0) return 0;
+  return static_cast<uint32_t>(b) < m ? static_cast<uint32_t>(b) : m;
+}
+
+__device__ __forceinline__ uint32_t laneId() { return threadIdx.x & 31; }
+__device__ __forceinline__ uint32_t warpId() { return threadIdx.x >> 5; }
+
+// The chunk [begin, end) of `n` items that warp w of kRankWarps ranks: chunks are contiguous and in warp order, so
+// per-chunk counts and their prefix give every item its rank in item order (deterministic, no atomics).
+__device__ __forceinline__ void warpChunk(uint32_t n, uint32_t w, uint32_t& begin, uint32_t& end) {
+  const uint32_t chunk = (n + kRankWarps - 1) / kRankWarps;
+  begin = min(n, w * chunk);
+  end = min(n, begin + chunk);
+}
+
+// Exclusive prefix over the kRankWarps rows of hist[w][key] for every key (threads over keys); returns nothing,
+// leaves each key's total in totals[key] when totals != null.
+__device__ __forceinline__ void prefixOverWarps(uint32_t* hist, uint32_t keys, uint32_t* totals, uint32_t base) {
+  for (uint32_t key = threadIdx.x; key < keys; key += blockDim.x) {
+    uint32_t run = base;
+    for (uint32_t w = 0; w < kRankWarps; ++w) {
+      const uint32_t c = hist[w * keys + key];
+      hist[w * keys + key] = run;
+      run += c;
+    }
+    if (totals != nullptr) totals[key] = run - base;
+  }
+}
+
+}  // namespace
+}  // namespace gpuproxy
+}  // namespace epcomm
