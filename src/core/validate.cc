@@ -261,4 +261,12 @@ CheckedCombine checkCombineArgs(const Config& c, const CombineArgs& a, MemoryKin
   return out;
 }
 
+void checkSendHalfWeights(const Config& c, const TensorView& w, int device, const char* backend) {
+  EPCOMM_CHECK(w.data != nullptr && w.memory == MemoryKind::kCuda && w.device == device, kInvalidArgument,
+               backend << " combine send half needs weights on cuda:" << device << ", got " << w.toString());
+  EPCOMM_CHECK(w.ndim == 2 && w.dtype == DType::kF32 && w.shape[1] == c.expertsPerToken &&
+                   w.shape[0] <= c.maxNumTokens && w.strides[0] >= 0 && w.strides[1] >= 0,
+               kInvalidArgument, "weights must be fp32 [m <= maxNumTokens, K], got " << w.toString());
+}
+
 }  // namespace epcomm

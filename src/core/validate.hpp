@@ -34,6 +34,12 @@ struct CheckedCombine {
 CheckedDispatch checkDispatchArgs(const Config& config, const DispatchArgs& args, MemoryKind memory, int device);
 CheckedCombine checkCombineArgs(const Config& config, const CombineArgs& args, MemoryKind memory, int device);
 
+/// The router weights of a combine's send half, for the backends whose send half applies them (nvlink, nvshmem: each
+/// expert rank sums its experts' outputs per token before sending); checkCombineArgs checks weights only for the
+/// receive half. Throws Error(kInvalidArgument) naming `backend` unless `w` is fp32 [m <= maxNumTokens, K] with
+/// non-negative strides on CUDA device `device`.
+void checkSendHalfWeights(const Config& config, const TensorView& w, int device, const char* backend);
+
 /// Whether two calls have the same arguments, field by field (views, pointers, flags, stream): a backend may then
 /// reuse what it checked and packed for the earlier one (an engine calls with the same buffers every step).
 bool sameArgs(const DispatchArgs& a, const DispatchArgs& b);

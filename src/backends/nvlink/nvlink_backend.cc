@@ -69,17 +69,6 @@ Geometry geometryFor(const Config& config, int smCount) {
   return nvlink::makeGeometry(config, chooseBlocks(config, smCount, threads), threads);
 }
 
-int combineType(DType t) {
-  switch (t) {
-    case DType::kBf16:
-      return nvlink::kTypeBf16;
-    case DType::kF16:
-      return nvlink::kTypeF16;
-    default:
-      return nvlink::kTypeF32;
-  }
-}
-
 const char* phaseName(int32_t phase) {
   switch (phase) {
     case nvlink::kPhaseDispatchRecv:
@@ -95,16 +84,6 @@ const char* phaseName(int32_t phase) {
     default:
       return "unknown";
   }
-}
-
-int pickDevice(const Config& c) {
-  int count = 0;
-  EPCOMM_CHECK_CUDA(cudaGetDeviceCount(&count));
-  EPCOMM_CHECK(count > 0, kUnavailable, "no CUDA device");
-  const int local = env().localRank >= 0 ? env().localRank : static_cast<int>(c.rank) % count;
-  EPCOMM_CHECK(local < count, kUnavailable,
-               "EPCOMM_LOCAL_RANK = " << local << " but this process sees " << count << " CUDA devices");
-  return local;
 }
 
 /// What each rank publishes at setup: where it runs, its region's IPC handle, and what every rank must agree on.
@@ -237,7 +216,7 @@ class NvlinkAllToAll final : public AllToAll {
         packedDispatch_, a, [&] { packDispatch(a); }, [&] { order_.checkDispatch(a.doSend, a.doRecv); });
     if (a.doSend) dispatchedM_ = p.m;
     nvlink::DispatchKernelArgs k = p.k;
-    checkCurrentDevice();
+    checkCurrentDevice(device_, config_.rank);
     k.st.trace = trace_.next(nvlink::PhaseTrace::kDispatch, a.doSend, a.doRecv);
     launch(nvlink::dispatchLaunch(k, a.doSend, a.doRecv), &k, sizeof k, a.stream, "dispatch",
            [&] { order_.dispatched(a.doSend, a.doRecv); });
@@ -255,7 +234,7 @@ class NvlinkAllToAll final : public AllToAll {
                            << " rows, fewer than the m = " << dispatchedM_ << " tokens this rank dispatched");
     }
     nvlink::CombineKernelArgs k = p.k;
-    checkCurrentDevice();
+    checkCurrentDevice(device_, config_.rank);
     k.st.trace = trace_.next(nvlink::PhaseTrace::kCombine, a.doSend, a.doRecv);
     launch(nvlink::combineLaunch(k, a.doSend, a.doRecv, p.sendType, p.recvType), &k, sizeof k, a.stream, "combine",
            [&] { order_.combined(a.doSend, a.doRecv); });
@@ -372,14 +351,8 @@ class NvlinkAllToAll final : public AllToAll {
     std::memset(&k, 0, sizeof k);  // padding too: the launch cache compares the bytes
     fillCommon(k.g, k.peers, k.st);
     if (a.doSend) {
-      // The send half applies the router weights (it sums each token's local experts before sending), so it needs
-      // them here; checkCombineArgs checks weights only for the recv half.
       const TensorView& w = a.weights;
-      EPCOMM_CHECK(w.data != nullptr && w.memory == MemoryKind::kCuda && w.device == device_, kInvalidArgument,
-                   "nvlink combine send half needs weights on cuda:" << device_ << ", got " << w.toString());
-      EPCOMM_CHECK(w.ndim == 2 && w.dtype == DType::kF32 && w.shape[1] == config_.expertsPerToken &&
-                       w.shape[0] <= config_.maxNumTokens && w.strides[0] >= 0 && w.strides[1] >= 0,
-                   kInvalidArgument, "weights must be fp32 [m <= maxNumTokens, K], got " << w.toString());
+      checkSendHalfWeights(config_, w, device_, "nvlink");
       k.y = static_cast<const uint8_t*>(a.expertY.data);
       k.yExpertStride = c.yExpertStride;
       k.yRowStride = c.yRowStride;
@@ -421,14 +394,6 @@ class NvlinkAllToAll final : public AllToAll {
     st.hostError = hostErrorDev_;
     st.timeoutNs = static_cast<uint64_t>(env().timeoutMs) * 1000000ull;
     st.trace = nullptr;
-  }
-
-  void checkCurrentDevice() const {
-    int cur = -1;
-    EPCOMM_CHECK_CUDA(cudaGetDevice(&cur));
-    EPCOMM_CHECK(
-        cur == device_, kInvalidArgument,
-        "rank " << config_.rank << ": the current CUDA device is " << cur << " but this object lives on " << device_);
   }
 
   // Reads the host-mapped error record (no synchronisation). Once an error was seen the object refuses all use.
@@ -500,18 +465,7 @@ class NvlinkAllToAll final : public AllToAll {
 
 }  // namespace
 
-bool nvlinkUsable(std::string* whyNot) {
-  int count = 0;
-  cudaError_t e = cudaGetDeviceCount(&count);
-  if (e != cudaSuccess || count == 0) {
-    if (whyNot != nullptr) {
-      *whyNot = e != cudaSuccess ? std::string("no CUDA device (") + cudaGetErrorString(e) + ")" : "no CUDA device";
-    }
-    cudaGetLastError();
-    return false;
-  }
-  return true;
-}
+bool nvlinkUsable(std::string* whyNot) { return cudaDeviceSeen(whyNot); }
 
 std::unique_ptr<AllToAll> createNvlink(const Config& config, Bootstrap& bootstrap) {
   return std::make_unique<NvlinkAllToAll>(config, bootstrap);

@@ -9,17 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "epcomm/error.hpp"
-
-/// Throws Error(kCuda) naming the call and CUDA's message unless `expr` returns cudaSuccess.
-#define EPCOMM_CHECK_CUDA(expr)                                                           \
-  do {                                                                                    \
-    cudaError_t epcomm_err_ = (expr);                                                     \
-    if (epcomm_err_ != cudaSuccess) {                                                     \
-      EPCOMM_THROW(kCuda, #expr << " failed: " << cudaGetErrorString(epcomm_err_) << " (" \
-                                << static_cast<int>(epcomm_err_) << ")");                 \
-    }                                                                                     \
-  } while (0)
+#include "core/cuda_check.hpp"
 
 namespace epcomm {
 namespace nvlink {

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "backends/nvlink/nvlink_layout.hpp"
+#include "core/combine_type.hpp"
 
 namespace epcomm {
 namespace nvlink {
@@ -112,9 +113,6 @@ struct CombineKernelArgs {
   uint32_t m;
   int32_t accumulate;
 };
-
-/// Element types of the combine: 0 bf16, 1 fp16, 2 fp32.
-enum CombineType : int { kTypeBf16 = 0, kTypeF16 = 1, kTypeF32 = 2 };
 
 /// One kernel launch: the instantiation, grid, block and dynamic shared memory; its single parameter is the
 /// arguments struct.

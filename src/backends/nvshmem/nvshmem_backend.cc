@@ -17,20 +17,11 @@
 #include "backends/nvshmem/nvshmem_layout.hpp"
 #include "backends/nvshmem/nvshmem_runtime.hpp"
 #include "core/call_order.hpp"
+#include "core/cuda_check.hpp"
 #include "core/env.hpp"
 #include "core/log.hpp"
 #include "core/validate.hpp"
 #include "epcomm/error.hpp"
-
-/// Throws Error(kCuda) naming the call and CUDA's message unless `expr` returns cudaSuccess.
-#define EPCOMM_CHECK_CUDA(expr)                                                           \
-  do {                                                                                    \
-    cudaError_t epcomm_err_ = (expr);                                                     \
-    if (epcomm_err_ != cudaSuccess) {                                                     \
-      EPCOMM_THROW(kCuda, #expr << " failed: " << cudaGetErrorString(epcomm_err_) << " (" \
-                                << static_cast<int>(epcomm_err_) << ")");                 \
-    }                                                                                     \
-  } while (0)
 
 namespace epcomm {
 namespace backends {
@@ -51,17 +42,6 @@ uint64_t heapBytesFor(const Geometry& g) {
   return std::max(want, kMinHeapBytes);
 }
 
-int combineType(DType t) {
-  switch (t) {
-    case DType::kBf16:
-      return nvshmem::kTypeBf16;
-    case DType::kF16:
-      return nvshmem::kTypeF16;
-    default:
-      return nvshmem::kTypeF32;
-  }
-}
-
 const char* phaseName(int32_t phase) {
   switch (phase) {
     case nvshmem::kPhaseDispatchRecv:
@@ -79,16 +59,6 @@ const char* phaseName(int32_t phase) {
     default:
       return "unknown";
   }
-}
-
-int pickDevice(const Config& c) {
-  int count = 0;
-  EPCOMM_CHECK_CUDA(cudaGetDeviceCount(&count));
-  EPCOMM_CHECK(count > 0, kUnavailable, "no CUDA device");
-  const int local = env().localRank >= 0 ? env().localRank : static_cast<int>(c.rank) % count;
-  EPCOMM_CHECK(local < count, kUnavailable,
-               "EPCOMM_LOCAL_RANK = " << local << " but this process sees " << count << " CUDA devices");
-  return local;
 }
 
 // The geometry as every rank must see it (checked over the bootstrap before the collective allocation).
@@ -172,12 +142,13 @@ class NvshmemAllToAll final : public AllToAll {
     } else {
       order_.checkDispatch(a.doSend, a.doRecv);
     }
-    checkCurrentDevice();
+    checkCurrentDevice(device_, config_.rank);
     if (a.doSend) {
-      launched(nvshmem::launchDispatchSend(p.send, a.stream), "dispatch send");
+      checkLaunch(nvshmem::launchDispatchSend(p.send, a.stream), "", config_.rank, "nvshmem dispatch send kernel");
       dispatchedM_ = p.send.m;
     }
-    if (a.doRecv) launched(nvshmem::launchDispatchRecv(p.recv, a.stream), "dispatch receive");
+    if (a.doRecv)
+      checkLaunch(nvshmem::launchDispatchRecv(p.recv, a.stream), "", config_.rank, "nvshmem dispatch receive kernel");
     order_.dispatched(a.doSend, a.doRecv);
   }
 
@@ -189,15 +160,16 @@ class NvshmemAllToAll final : public AllToAll {
     } else {
       order_.checkCombine(a.doSend, a.doRecv);
     }
-    checkCurrentDevice();
+    checkCurrentDevice(device_, config_.rank);
     if (a.doSend) {
       // The peers' combine-send reads the weights of every token this rank dispatched.
       EPCOMM_CHECK(p.weightRows >= dispatchedM_, kInvalidArgument,
                    "rank " << config_.rank << ": combine weights have " << p.weightRows
                            << " rows, fewer than the m = " << dispatchedM_ << " tokens this rank dispatched");
-      launched(nvshmem::launchCombineSend(p.send, a.stream), "combine send");
+      checkLaunch(nvshmem::launchCombineSend(p.send, a.stream), "", config_.rank, "nvshmem combine send kernel");
     }
-    if (a.doRecv) launched(nvshmem::launchCombineRecv(p.recv, a.stream), "combine receive");
+    if (a.doRecv)
+      checkLaunch(nvshmem::launchCombineRecv(p.recv, a.stream), "", config_.rank, "nvshmem combine receive kernel");
     order_.combined(a.doSend, a.doRecv);
   }
 
@@ -286,14 +258,8 @@ class NvshmemAllToAll final : public AllToAll {
     std::memset(&p.send, 0, sizeof p.send);
     std::memset(&p.recv, 0, sizeof p.recv);
     if (a.doSend) {
-      // The send half applies the router weights (each expert rank sums its experts' outputs per token before
-      // sending), so it needs them here; checkCombineArgs checks weights only for the receive half.
       const TensorView& w = a.weights;
-      EPCOMM_CHECK(w.data != nullptr && w.memory == MemoryKind::kCuda && w.device == device_, kInvalidArgument,
-                   "nvshmem combine send half needs weights on cuda:" << device_ << ", got " << w.toString());
-      EPCOMM_CHECK(w.ndim == 2 && w.dtype == DType::kF32 && w.shape[1] == config_.expertsPerToken &&
-                       w.shape[0] <= config_.maxNumTokens && w.strides[0] >= 0 && w.strides[1] >= 0,
-                   kInvalidArgument, "weights must be fp32 [m <= maxNumTokens, K], got " << w.toString());
+      checkSendHalfWeights(config_, w, device_, "nvshmem");
       nvshmem::CombineSendArgs& k = p.send;
       k.g = geo_;
       k.st = state();
@@ -334,12 +300,6 @@ class NvshmemAllToAll final : public AllToAll {
     return st;
   }
 
-  void launched(int rc, const char* what) const {
-    EPCOMM_CHECK(rc == 0, kCuda,
-                 "rank " << config_.rank << ": nvshmem " << what
-                         << " kernel launch failed: " << cudaGetErrorString(static_cast<cudaError_t>(rc)));
-  }
-
   // Frees what the constructor made. The symmetric allocation is collective (nvshmem_free synchronises the PEs): only
   // when every rank reached the barrier, so a rank whose peer is gone does not hang here (it leaks the allocation).
   void release() {
@@ -360,14 +320,6 @@ class NvshmemAllToAll final : public AllToAll {
     hostError_ = nullptr;
     if (acquired_) nvshmem::releaseRuntime();
     acquired_ = false;
-  }
-
-  void checkCurrentDevice() const {
-    int cur = -1;
-    EPCOMM_CHECK_CUDA(cudaGetDevice(&cur));
-    EPCOMM_CHECK(
-        cur == device_, kInvalidArgument,
-        "rank " << config_.rank << ": the current CUDA device is " << cur << " but this object lives on " << device_);
   }
 
   // Reads the host-mapped error record (no synchronisation). Once an error was seen the object refuses all use.
@@ -416,18 +368,7 @@ class NvshmemAllToAll final : public AllToAll {
 
 }  // namespace
 
-bool nvshmemUsable(std::string* whyNot) {
-  int count = 0;
-  cudaError_t e = cudaGetDeviceCount(&count);
-  if (e != cudaSuccess || count == 0) {
-    if (whyNot != nullptr) {
-      *whyNot = e != cudaSuccess ? std::string("no CUDA device (") + cudaGetErrorString(e) + ")" : "no CUDA device";
-    }
-    cudaGetLastError();
-    return false;
-  }
-  return nvshmem::runtimeUsable(whyNot);
-}
+bool nvshmemUsable(std::string* whyNot) { return cudaDeviceSeen(whyNot) && nvshmem::runtimeUsable(whyNot); }
 
 std::unique_ptr<AllToAll> createNvshmem(const Config& config, Bootstrap& bootstrap) {
   return std::make_unique<NvshmemAllToAll>(config, bootstrap);

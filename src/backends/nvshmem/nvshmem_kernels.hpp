@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "backends/nvshmem/nvshmem_layout.hpp"
+#include "core/combine_type.hpp"
 
 namespace epcomm {
 namespace nvshmem {
@@ -66,9 +67,6 @@ struct DispatchRecvArgs {
   uint8_t* outScale;               ///< null without scales
   int64_t outScaleStrideBytes[3];  ///< expert (0 for packed), row, column
 };
-
-/// Element types of the combine.
-enum CombineType : int { kTypeBf16 = 0, kTypeF16 = 1, kTypeF32 = 2 };
 
 /// Combine send half: the weights blocks, then the partial blocks.
 struct CombineSendArgs {

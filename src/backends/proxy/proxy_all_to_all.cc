@@ -18,21 +18,12 @@
 #include "backends/proxy/proxy_kernels.hpp"
 #include "backends/proxy/proxy_trace.hpp"
 #include "core/call_order.hpp"
+#include "core/cuda_check.hpp"
 #include "core/env.hpp"
 #include "core/log.hpp"
 #include "core/validate.hpp"
 #include "epcomm/error.hpp"
 #include "epcomm/fabric/transfer_engine.hpp"
-
-/// Throws Error(kCuda) naming the call and CUDA's message unless `expr` returns cudaSuccess.
-#define EPCOMM_CHECK_CUDA(expr)                                                           \
-  do {                                                                                    \
-    cudaError_t epcomm_err_ = (expr);                                                     \
-    if (epcomm_err_ != cudaSuccess) {                                                     \
-      EPCOMM_THROW(kCuda, #expr << " failed: " << cudaGetErrorString(epcomm_err_) << " (" \
-                                << static_cast<int>(epcomm_err_) << ")");                 \
-    }                                                                                     \
-  } while (0)
 
 namespace epcomm {
 namespace gpuproxy {
@@ -80,7 +71,6 @@ struct ProxyAllToAll::Impl {
   void proxyLoop();
   bool waitDevice(const uint64_t* word, uint64_t want);
   void checkUsable();
-  void checkCurrentDevice() const;
   KernelContext context() const;
 
   Config config;
@@ -122,12 +112,7 @@ ProxyAllToAll::Impl::Impl(const Config& c, Bootstrap& bootstrap, const proxy::Ch
                "proxy backend: config says rank " << c.rank << " of " << c.worldSize << ", the bootstrap "
                                                   << bootstrap.rank() << " of " << bootstrap.worldSize());
   try {
-    int count = 0;
-    EPCOMM_CHECK_CUDA(cudaGetDeviceCount(&count));
-    EPCOMM_CHECK(count > 0, kUnavailable, "proxy backend: no CUDA device");
-    device = env().localRank >= 0 ? env().localRank : static_cast<int>(c.rank) % count;
-    EPCOMM_CHECK(device < count, kUnavailable,
-                 "EPCOMM_LOCAL_RANK = " << device << " but this process sees " << count << " CUDA devices");
+    device = pickDevice(c, "proxy backend: ");
     EPCOMM_CHECK_CUDA(cudaSetDevice(device));
     int sms = 0;
     EPCOMM_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -397,14 +382,6 @@ void ProxyAllToAll::Impl::checkUsable() {
   detail::throwError(failedCode, failed + " [this AllToAll object is unusable]", __FILE__, __LINE__);
 }
 
-void ProxyAllToAll::Impl::checkCurrentDevice() const {
-  int cur = -1;
-  EPCOMM_CHECK_CUDA(cudaGetDevice(&cur));
-  EPCOMM_CHECK(cur == device, kInvalidArgument,
-               "proxy backend rank " << config.rank << ": the current CUDA device is " << cur
-                                     << " but this object lives on " << device);
-}
-
 KernelContext ProxyAllToAll::Impl::context() const {
   KernelContext ctx;
   ctx.sizes = sizes;
@@ -431,18 +408,14 @@ void ProxyAllToAll::dispatch(const DispatchArgs& a) {
   m.checkUsable();
   const CheckedDispatch c = checkDispatchArgs(m.config, a, MemoryKind::kCuda, m.device);
   m.order.checkDispatch(a.doSend, a.doRecv);
-  m.checkCurrentDevice();
+  checkCurrentDevice(m.device, m.config.rank, "proxy backend ");
   if (a.doSend) {
     const int rc = launchDispatchSend(dispatchSendArgs(m.context(), a, c), m.blocks, a.stream);
-    EPCOMM_CHECK(rc == 0, kCuda,
-                 "proxy backend rank " << m.config.rank << ": dispatch send launch failed: "
-                                       << cudaGetErrorString(static_cast<cudaError_t>(rc)));
+    checkLaunch(rc, "proxy backend ", m.config.rank, "dispatch send");
   }
   if (a.doRecv) {
     const int rc = launchDispatchRecv(dispatchRecvArgs(m.context(), a, c), m.blocks, a.stream);
-    EPCOMM_CHECK(rc == 0, kCuda,
-                 "proxy backend rank " << m.config.rank << ": dispatch receive launch failed: "
-                                       << cudaGetErrorString(static_cast<cudaError_t>(rc)));
+    checkLaunch(rc, "proxy backend ", m.config.rank, "dispatch receive");
   }
   m.order.dispatched(a.doSend, a.doRecv);
 }
@@ -452,20 +425,16 @@ void ProxyAllToAll::combine(const CombineArgs& a) {
   m.checkUsable();
   const CheckedCombine c = checkCombineArgs(m.config, a, MemoryKind::kCuda, m.device);
   m.order.checkCombine(a.doSend, a.doRecv);
-  m.checkCurrentDevice();
+  checkCurrentDevice(m.device, m.config.rank, "proxy backend ");
   if (a.doSend) {
     const CombineSendArgs k = combineSendArgs(m.context(), a, c);
     const int rc = launchCombineSend(k, m.blocks, a.stream);
-    EPCOMM_CHECK(rc == 0, kCuda,
-                 "proxy backend rank " << m.config.rank << ": combine send launch failed: "
-                                       << cudaGetErrorString(static_cast<cudaError_t>(rc)));
+    checkLaunch(rc, "proxy backend ", m.config.rank, "combine send");
     m.combineSendType = k.yType;
   }
   if (a.doRecv) {
     const int rc = launchCombineRecv(combineRecvArgs(m.context(), a, c, m.combineSendType), m.blocks, a.stream);
-    EPCOMM_CHECK(rc == 0, kCuda,
-                 "proxy backend rank " << m.config.rank << ": combine receive launch failed: "
-                                       << cudaGetErrorString(static_cast<cudaError_t>(rc)));
+    checkLaunch(rc, "proxy backend ", m.config.rank, "combine receive");
   }
   m.order.combined(a.doSend, a.doRecv);
 }
@@ -494,15 +463,7 @@ const std::string& ProxyAllToAll::memoryPath() const { return impl_->path; }
 namespace backends {
 
 bool proxyUsable(std::string* whyNot) {
-  int count = 0;
-  const cudaError_t e = cudaGetDeviceCount(&count);
-  if (e != cudaSuccess || count == 0) {
-    if (whyNot != nullptr) {
-      *whyNot = e != cudaSuccess ? std::string("no CUDA device (") + cudaGetErrorString(e) + ")" : "no CUDA device";
-    }
-    cudaGetLastError();
-    return false;
-  }
+  if (!cudaDeviceSeen(whyNot)) return false;
   try {
     if (!fabric::TransferEngine::probe().empty()) return true;
     if (whyNot != nullptr) *whyNot = "no libfabric provider is usable on this machine (probe found none)";

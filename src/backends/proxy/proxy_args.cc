@@ -7,9 +7,6 @@
 namespace epcomm {
 namespace gpuproxy {
 
-int32_t combineCode(DType t) { return t == DType::kBf16 ? 0 : t == DType::kF16 ? 1 : 2; }
-DType combineDtype(int32_t code) { return code == 0 ? DType::kBf16 : code == 1 ? DType::kF16 : DType::kF32; }
-
 namespace {
 
 // Zeroed (padding too), then the context's fields.
@@ -65,7 +62,7 @@ CombineSendArgs combineSendArgs(const KernelContext& ctx, const CombineArgs& a, 
   k.y = static_cast<const uint8_t*>(a.expertY.data);
   k.yExpertStride = c.yExpertStride;
   k.yRowStride = c.yRowStride;
-  k.yType = combineCode(a.expertY.dtype);
+  k.yType = combineType(a.expertY.dtype);
   k.itemBytes = static_cast<uint32_t>(dtypeSize(a.expertY.dtype));
   k.hidden = ctx.hidden;
   return k;
@@ -76,7 +73,7 @@ CombineRecvArgs combineRecvArgs(const KernelContext& ctx, const CombineArgs& a, 
   CombineRecvArgs k = withContext<CombineRecvArgs>(ctx);
   k.hidden = ctx.hidden;
   k.yType = yType;
-  k.outType = combineCode(a.outTokens.dtype);
+  k.outType = combineType(a.outTokens.dtype);
   k.out = static_cast<uint8_t*>(a.outTokens.data);
   k.outRowStride = c.outRowStride;
   k.indices = a.indices.data;

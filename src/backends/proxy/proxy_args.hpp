@@ -21,14 +21,10 @@ struct KernelContext {
   uint32_t hidden = 0;
 };
 
-/// The combine element types as the kernels and the mailbox name them (0 bf16, 1 fp16, 2 fp32).
-int32_t combineCode(DType dtype);
-DType combineDtype(int32_t code);
-
 DispatchSendArgs dispatchSendArgs(const KernelContext& ctx, const DispatchArgs& a, const CheckedDispatch& c);
 DispatchRecvArgs dispatchRecvArgs(const KernelContext& ctx, const DispatchArgs& a, const CheckedDispatch& c);
 CombineSendArgs combineSendArgs(const KernelContext& ctx, const CombineArgs& a, const CheckedCombine& c);
-/// `yType`: combineCode of the expertY the send half packed.
+/// `yType`: the CombineType of the expertY the send half packed.
 CombineRecvArgs combineRecvArgs(const KernelContext& ctx, const CombineArgs& a, const CheckedCombine& c, int32_t yType);
 
 /// Writes the tables of the round described by `layout` (this rank's view) into `tables` (tg.words u32, see

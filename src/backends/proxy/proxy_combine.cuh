@@ -74,21 +74,21 @@ __global__ void __launch_bounds__(kCopyThreads) combineSendKernel(const CombineS
 // Conversions are core/dtype_convert.hpp's, the reference's own: the same rounding (nearest even) and NaN bits.
 template <int kType>
 __device__ __forceinline__ float toFloat(const uint8_t* p) {
-  if (kType == kBf16) return bf16ToFloat(ldVolatileU16(p));
-  if (kType == kF16) return f16ToFloat(ldVolatileU16(p));
+  if (kType == kTypeBf16) return bf16ToFloat(ldVolatileU16(p));
+  if (kType == kTypeF16) return f16ToFloat(ldVolatileU16(p));
   return bitsFloat(ldVolatileU32(p));
 }
 template <int kType>
 __device__ __forceinline__ float loadOut(const uint8_t* p) {
-  if (kType == kBf16) return bf16ToFloat(*reinterpret_cast<const uint16_t*>(p));
-  if (kType == kF16) return f16ToFloat(*reinterpret_cast<const uint16_t*>(p));
+  if (kType == kTypeBf16) return bf16ToFloat(*reinterpret_cast<const uint16_t*>(p));
+  if (kType == kTypeF16) return f16ToFloat(*reinterpret_cast<const uint16_t*>(p));
   return *reinterpret_cast<const float*>(p);
 }
 template <int kType>
 __device__ __forceinline__ void storeOut(uint8_t* p, float v) {
-  if (kType == kBf16) {
+  if (kType == kTypeBf16) {
     *reinterpret_cast<uint16_t*>(p) = floatToBf16(v);
-  } else if (kType == kF16) {
+  } else if (kType == kTypeF16) {
     *reinterpret_cast<uint16_t*>(p) = floatToF16(v);
   } else {
     *reinterpret_cast<float*>(p) = v;
@@ -96,7 +96,7 @@ __device__ __forceinline__ void storeOut(uint8_t* p, float v) {
 }
 template <int kType>
 __host__ __device__ constexpr uint32_t itemOf() {
-  return kType == kF32 ? 4 : 2;
+  return kType == kTypeF32 ? 4 : 2;
 }
 
 // Elements of expertY one thread reads with one 16-byte load.
@@ -106,12 +106,12 @@ __device__ __forceinline__ void unpack16(const int4 v, float* f) {
                          static_cast<uint32_t>(v.w)};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    if (kY == kF32) {
+    if (kY == kTypeF32) {
       f[i] = bitsFloat(w[i]);
     } else {
       const uint16_t lo = static_cast<uint16_t>(w[i] & 0xffff), hi = static_cast<uint16_t>(w[i] >> 16);
-      f[2 * i] = kY == kBf16 ? bf16ToFloat(lo) : f16ToFloat(lo);
-      f[2 * i + 1] = kY == kBf16 ? bf16ToFloat(hi) : f16ToFloat(hi);
+      f[2 * i] = kY == kTypeBf16 ? bf16ToFloat(lo) : f16ToFloat(lo);
+      f[2 * i + 1] = kY == kTypeBf16 ? bf16ToFloat(hi) : f16ToFloat(hi);
     }
   }
 }

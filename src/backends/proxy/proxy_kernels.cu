@@ -22,12 +22,12 @@ __global__ void clockProbeKernel(uint64_t* out) { *reinterpret_cast<volatile uin
 template <int kY>
 const void* combineRecvFor(int outType) {
   switch (outType) {
-    case kBf16:
-      return reinterpret_cast<const void*>(&combineRecvKernel<kY, kBf16>);
-    case kF16:
-      return reinterpret_cast<const void*>(&combineRecvKernel<kY, kF16>);
+    case kTypeBf16:
+      return reinterpret_cast<const void*>(&combineRecvKernel<kY, kTypeBf16>);
+    case kTypeF16:
+      return reinterpret_cast<const void*>(&combineRecvKernel<kY, kTypeF16>);
     default:
-      return reinterpret_cast<const void*>(&combineRecvKernel<kY, kF32>);
+      return reinterpret_cast<const void*>(&combineRecvKernel<kY, kTypeF32>);
   }
 }
 
@@ -65,14 +65,14 @@ uint64_t combineRecvSharedBytes(const proxy::ProtocolSizes& s) {
 int launchCombineRecv(const CombineRecvArgs& a, uint32_t blocks, void* stream) {
   const void* fn = nullptr;
   switch (a.yType) {
-    case kBf16:
-      fn = combineRecvFor<kBf16>(a.outType);
+    case kTypeBf16:
+      fn = combineRecvFor<kTypeBf16>(a.outType);
       break;
-    case kF16:
-      fn = combineRecvFor<kF16>(a.outType);
+    case kTypeF16:
+      fn = combineRecvFor<kTypeF16>(a.outType);
       break;
     default:
-      fn = combineRecvFor<kF32>(a.outType);
+      fn = combineRecvFor<kTypeF32>(a.outType);
       break;
   }
   return launch(fn, blocks, kSumThreads, combineRecvSharedBytes(a.sizes), &a, stream);
@@ -82,15 +82,15 @@ int configureKernels(uint32_t bytes) {
   const void* fns[] = {
       reinterpret_cast<const void*>(&dispatchCopyKernel),
       reinterpret_cast<const void*>(&combineSendKernel),
-      reinterpret_cast<const void*>(&combineRecvKernel<kBf16, kBf16>),
-      reinterpret_cast<const void*>(&combineRecvKernel<kBf16, kF16>),
-      reinterpret_cast<const void*>(&combineRecvKernel<kBf16, kF32>),
-      reinterpret_cast<const void*>(&combineRecvKernel<kF16, kBf16>),
-      reinterpret_cast<const void*>(&combineRecvKernel<kF16, kF16>),
-      reinterpret_cast<const void*>(&combineRecvKernel<kF16, kF32>),
-      reinterpret_cast<const void*>(&combineRecvKernel<kF32, kBf16>),
-      reinterpret_cast<const void*>(&combineRecvKernel<kF32, kF16>),
-      reinterpret_cast<const void*>(&combineRecvKernel<kF32, kF32>),
+      reinterpret_cast<const void*>(&combineRecvKernel<kTypeBf16, kTypeBf16>),
+      reinterpret_cast<const void*>(&combineRecvKernel<kTypeBf16, kTypeF16>),
+      reinterpret_cast<const void*>(&combineRecvKernel<kTypeBf16, kTypeF32>),
+      reinterpret_cast<const void*>(&combineRecvKernel<kTypeF16, kTypeBf16>),
+      reinterpret_cast<const void*>(&combineRecvKernel<kTypeF16, kTypeF16>),
+      reinterpret_cast<const void*>(&combineRecvKernel<kTypeF16, kTypeF32>),
+      reinterpret_cast<const void*>(&combineRecvKernel<kTypeF32, kTypeBf16>),
+      reinterpret_cast<const void*>(&combineRecvKernel<kTypeF32, kTypeF16>),
+      reinterpret_cast<const void*>(&combineRecvKernel<kTypeF32, kTypeF32>),
   };
   for (const void* fn : fns) {
     const cudaError_t rc =

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "core/combine_type.hpp"
 #include "proxy/protocol.hpp"
 
 namespace epcomm {
@@ -61,7 +62,7 @@ struct Mailbox {
   // Kernels -> proxy.
   alignas(64) uint64_t dispatchReady;  ///< rounds whose send slots (heads + entries) are packed
   uint64_t combineReady;               ///< rounds whose combine rows are packed
-  int32_t combineType;                 ///< expertY of the combine being published: 0 bf16, 1 fp16, 2 fp32
+  int32_t combineType;                 ///< expertY of the combine being published (CombineType)
   // Proxy -> kernels.
   alignas(64) uint64_t dispatchArrived;  ///< rounds whose peers' tokens are in and whose tables are written
   uint64_t combineArrived;               ///< rounds whose owners' rows are in
@@ -229,7 +230,7 @@ struct CombineSendArgs {
   const uint8_t* y;
   int64_t yExpertStride;  ///< elements; 0 for packed
   int64_t yRowStride;     ///< elements
-  int32_t yType;          ///< 0 bf16, 1 fp16, 2 fp32
+  int32_t yType;          ///< CombineType
   uint32_t itemBytes;
   uint32_t hidden;
 };
@@ -241,7 +242,7 @@ struct CombineRecvArgs {
   DeviceState st;
   ChannelView ch;
   uint32_t hidden;
-  int32_t yType, outType;  ///< 0 bf16, 1 fp16, 2 fp32
+  int32_t yType, outType;  ///< CombineType
   uint8_t* out;
   int64_t outRowStride;  ///< elements
   const void* indices;

@@ -41,11 +41,6 @@ constexpr uint32_t kRankThreads = kRankWarps * 32;
 constexpr uint32_t kCopyThreads = 512;
 constexpr uint32_t kSumThreads = 256;
 
-// Combine element types (CombineSendArgs::yType, CombineRecvArgs::outType): 0 bf16, 1 fp16, 2 fp32.
-constexpr int kBf16 = 0;
-constexpr int kF16 = 1;
-constexpr int kF32 = 2;
-
 // ---- Object state ------------------------------------------------------------------------------------------------
 
 __device__ __forceinline__ uint32_t* seqWord(const DeviceState& st, int i) {
