@@ -4,37 +4,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
-#include <utility>
 
 #include "bench_cuda.hpp"
+#include "epcomm/reference.hpp"
 #include "fill.hpp"
 #include "kernels.hpp"
 
 namespace epcomm {
 namespace bench {
-
-std::vector<int32_t> randomIndices(const Config& config, uint32_t m, uint64_t seed) {
-  const uint32_t E = config.numExperts, K = config.expertsPerToken;
-  EPCOMM_CHECK(K <= E && E > 0, kInvalidArgument, "randomIndices: K = " << K << " must be in [1, E = " << E << "]");
-  uint64_t state = seed;
-  auto next = [&state] {
-    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  };
-  std::vector<int32_t> experts(E);
-  std::vector<int32_t> out(static_cast<size_t>(m) * K);
-  for (uint32_t t = 0; t < m; ++t) {
-    for (uint32_t e = 0; e < E; ++e) experts[e] = static_cast<int32_t>(e);
-    for (uint32_t k = 0; k < K; ++k) {
-      const uint32_t j = k + static_cast<uint32_t>((static_cast<unsigned __int128>(next()) * (E - k)) >> 64);
-      std::swap(experts[k], experts[j]);
-      out[static_cast<size_t>(t) * K + k] = experts[k];
-    }
-  }
-  return out;
-}
 
 void* Inputs::alloc(size_t bytes) {
   void* p = nullptr;
@@ -80,7 +57,7 @@ Inputs::Inputs(const Config& c, uint32_t T, bool device, cudaStream_t stream) : 
   const int64_t xCols = c.hiddenDimBytes / dtypeSize(xType);
   // One DP group's tokens are identical on its ranks.
   const uint32_t group = c.dpGroup();
-  indices = randomIndices(c, T, 12345 + group);
+  indices = reference::randomIndices(c, T, 12345 + group);
   std::mt19937 rng(777 + group);
   std::vector<uint8_t> xh(static_cast<size_t>(T) * c.hiddenDimBytes);
   for (auto& b : xh) b = static_cast<uint8_t>(rng() & 0x7f);

@@ -14,12 +14,8 @@
 namespace epcomm {
 namespace bench {
 
-/// Expert indices [m, K]: for each token a uniform K-subset of the E experts in uniform order (partial
-/// Fisher-Yates over splitmix64, the same sequence on every platform; the library's reference generator draws the
-/// same one, so tests and benchmark route alike).
-std::vector<int32_t> randomIndices(const Config& config, uint32_t m, uint64_t seed);
-
-/// The tensors of one dispatch + combine of `tokens` tokens, owned (freed on destruction).
+/// The tensors of one dispatch + combine of `tokens` tokens (the routing is reference::randomIndices', so tests and
+/// benchmark route alike), owned (freed on destruction).
 class Inputs {
  public:
   /// `device`: cudaMalloc on the current device, filled through `stream`; else aligned host memory.
