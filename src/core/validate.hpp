@@ -45,6 +45,25 @@ void checkSendHalfWeights(const Config& config, const TensorView& w, int device,
 bool sameArgs(const DispatchArgs& a, const DispatchArgs& b);
 bool sameArgs(const CombineArgs& a, const CombineArgs& b);
 
+/// Slot of a call's kind in a backend's cache of its last calls (packedFor): send half 0, receive half 1, both 2; -1
+/// for neither (the argument checks then throw).
+inline int callSlot(bool doSend, bool doRecv) { return (doSend ? 1 : 0) + (doRecv ? 2 : 0) - 1; }
+
+/// What call `a` is packed into, from `cache` (per callSlot, the last call of that kind: members `valid` and `args`):
+/// a repeat of the last call of its kind (an engine calls with the same buffers every step) reuses that call's checks
+/// and packing and only runs `checkOrder`; any other call runs `pack`, which checks the arguments, then the call order,
+/// and packs into cache[callSlot] (it throws for a call of neither half).
+template <typename Packed, typename Args, typename Pack, typename CheckOrder>
+const Packed& packedFor(Packed (&cache)[3], const Args& a, Pack pack, CheckOrder checkOrder) {
+  const int slot = callSlot(a.doSend, a.doRecv);
+  if (slot < 0 || !cache[slot].valid || !sameArgs(cache[slot].args, a)) {
+    pack();
+  } else {
+    checkOrder();
+  }
+  return cache[slot];
+}
+
 /// Index kind (0 int32, 1 uint32, 2 int64) of an indices dtype; throws for others.
 int indexKindOf(DType dtype);
 

@@ -21,6 +21,7 @@
 #include "backends/nvlink/nvlink_trace.hpp"
 #include "core/call_order.hpp"
 #include "core/env.hpp"
+#include "core/kernel_args.hpp"
 #include "core/log.hpp"
 #include "core/validate.hpp"
 #include "epcomm/error.hpp"
@@ -258,10 +259,6 @@ class NvlinkAllToAll final : public AllToAll {
   }
 
  private:
-  // Slot of a call's kind in packedDispatch_ / packedCombine_: send half 0, receive half 1, both 2; -1 for neither
-  // (the argument checks then throw).
-  static int callSlot(bool doSend, bool doRecv) { return (doSend ? 1 : 0) + (doRecv ? 2 : 0) - 1; }
-
   // Launches kernel `l` with the `bytes` bytes at `args` on `stream` (through the launch cache), runs `launched` (the
   // call order's step) once it is on the stream, and marks the launch for synchronize() unless the stream is capturing
   // a graph. Throws Error(kCuda) naming `what` when the launch or its mark fails.
@@ -281,20 +278,6 @@ class NvlinkAllToAll final : public AllToAll {
                          << " kernel's completion event failed: " << cudaGetErrorString(e));
   }
 
-  // What call `a` is packed into: a repeat of the last call of its kind (the same buffers every step) reuses that
-  // call's checks and packing and only checks the call order; any other call is checked and packed by `pack` (which
-  // checks the order after the arguments, as before the cache).
-  template <typename Packed, typename Args, typename Pack, typename CheckOrder>
-  static const Packed& packedFor(Packed (&cache)[3], const Args& a, Pack pack, CheckOrder checkOrder) {
-    const int slot = callSlot(a.doSend, a.doRecv);
-    if (slot < 0 || !cache[slot].valid || !sameArgs(cache[slot].args, a)) {
-      pack();
-    } else {
-      checkOrder();
-    }
-    return cache[slot];
-  }
-
   // Checks a dispatch call's arguments (then its place in the call order) and packs them into the kernel's, kept in
   // the call kind's slot.
   void packDispatch(const DispatchArgs& a) {
@@ -305,34 +288,10 @@ class NvlinkAllToAll final : public AllToAll {
     nvlink::DispatchKernelArgs& k = p.k;
     std::memset(&k, 0, sizeof k);  // padding too: the launch cache compares the bytes
     fillCommon(k.g, k.peers, k.st);
-    if (a.doSend) {
-      k.x = static_cast<const uint8_t*>(a.x.data);
-      k.xRowStrideBytes = c.xRowStrideBytes;
-      k.xScale = static_cast<const uint8_t*>(a.xScale.data);
-      k.xScaleStrideBytes[0] = c.scaleStrides[0] * 4;
-      k.xScaleStrideBytes[1] = c.scaleStrides[1] * 4;
-      k.indices = a.indices.data;
-      k.indexKind = c.indexKind;
-      k.indexStrides[0] = c.indexStrides[0];
-      k.indexStrides[1] = c.indexStrides[1];
-      k.m = c.m;
-      k.boundM = a.boundM;
-    }
+    if (a.doSend) packDispatchSend(k, a, c, k.xScaleStrideBytes, 4);
     if (a.doRecv) {
-      k.outNumTokens = static_cast<int32_t*>(a.outExpertNumTokens.data);
-      k.outX = static_cast<uint8_t*>(a.outExpertX.data);
-      k.outExpertStrideBytes = c.outExpertStrideBytes;
-      k.outRowStrideBytes = c.outRowStrideBytes;
-      k.outScale = static_cast<uint8_t*>(a.outExpertXScale.data);
-      const bool packed = config_.layout == Layout::kPacked;
-      if (packed) {
-        k.outScaleStrideBytes[0] = 0;
-        k.outScaleStrideBytes[1] = c.outScaleStrides[0] * 4;
-        k.outScaleStrideBytes[2] = c.outScaleStrides[1] * 4;
-      } else {
-        for (int d = 0; d < 3; ++d) k.outScaleStrideBytes[d] = c.outScaleStrides[d] * 4;
-      }
-      k.packed = packed ? 1 : 0;
+      packDispatchRecv(k, a, c, config_.layout, k.outScaleStrideBytes, 4);
+      k.packed = config_.layout == Layout::kPacked ? 1 : 0;
       k.padding = config_.expertPadding;
     }
     p.m = c.m;
@@ -366,14 +325,7 @@ class NvlinkAllToAll final : public AllToAll {
     k.packed = config_.layout == Layout::kPacked ? 1 : 0;
     k.padding = config_.expertPadding;
     if (a.doRecv) {
-      k.out = static_cast<uint8_t*>(a.outTokens.data);
-      k.outRowStride = c.outRowStride;
-      k.indices = a.indices.data;
-      k.indexKind = c.indexKind;
-      k.indexStrides[0] = c.indexStrides[0];
-      k.indexStrides[1] = c.indexStrides[1];
-      k.m = c.m;
-      k.accumulate = a.accumulate ? 1 : 0;
+      packCombineRecv(k, a, c);
       p.recvType = combineType(a.outTokens.dtype);
     }
     p.args = a;

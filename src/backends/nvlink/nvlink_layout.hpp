@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "core/error_record.hpp"
+#include "core/kernel_args.hpp"
 #include "core/layout.hpp"
 #include "epcomm/config.hpp"
 
@@ -204,17 +206,7 @@ constexpr uint32_t kPushQuarters = 1;
 inline Geometry makeGeometry(const Config& c, uint32_t blocks, uint32_t threads = kMaxThreads) {
   Geometry g{};
   g.threads = threads;
-  g.worldSize = c.worldSize;
-  g.rank = c.rank;
-  g.dpSize = c.dpSize;
-  g.numExperts = c.numExperts;
-  g.numLocalExperts = c.numLocalExperts();
-  g.topK = c.expertsPerToken;
-  g.maxTokens = c.maxNumTokens;
-  g.slotsPerSender = static_cast<uint32_t>(ceilDiv(c.maxNumTokens, c.dpSize));
-  g.hiddenDim = c.hiddenDim;
-  g.hiddenBytes = c.hiddenDimBytes;
-  g.scaleBytes = c.hiddenDimScaleBytes;
+  packConfigShape(g, c);
   g.slotBytes = static_cast<uint32_t>(roundUpPow2(c.hiddenDimBytes + c.hiddenDimScaleBytes, 16));
   g.partialBytes = c.hiddenDim * 4;
   g.blocks = blocks;
@@ -281,15 +273,9 @@ inline uint32_t sharedBytes(const Geometry& g) {
 }
 
 /// Error record in host-mapped pinned memory, written by a kernel that timed out or saw a bad index; the host reads
-/// it (no synchronisation) at the start of the next call. `code` is written last.
-struct ErrorRecord {
-  int32_t code;   ///< 0 = none, else an ErrorPhase
-  int32_t rank;   ///< rank that detected it
-  int32_t peer;   ///< peer that never arrived (timeouts), -1 otherwise
-  int32_t block;  ///< block that detected it
-  int64_t a;      ///< token index (bad index) or the flag value seen (timeout)
-  int64_t b;      ///< position k and value (bad index) or the expected flag value (timeout)
-};
+/// it (no synchronisation) at the start of the next call. `code` is an ErrorPhase; a, b: the token index and
+/// position k << 32 | value (bad index), or the flag value seen and the one expected (timeout).
+using ErrorRecord = KernelErrorRecord;
 
 /// What a kernel was doing when it recorded an error.
 enum ErrorPhase : int32_t {

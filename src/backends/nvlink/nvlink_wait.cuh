@@ -60,15 +60,7 @@ __device__ __forceinline__ bool aborted(const DeviceState& st) { return abortedA
 __device__ __forceinline__ void recordErrorAt(int32_t* claimed, ErrorRecord* hostError, int32_t phase, int32_t rank,
                                               int32_t peer, int64_t a, int64_t b) {
   if (atomicCAS(claimed, 0, 1) != 0) return;
-  volatile ErrorRecord* r = hostError;
-  r->rank = rank;
-  r->peer = peer;
-  r->block = static_cast<int32_t>(blockIdx.x);
-  r->a = a;
-  r->b = b;
-  __threadfence_system();
-  r->code = phase;
-  __threadfence_system();
+  publishKernelError(hostError, phase, rank, peer, a, b);
 }
 __device__ __forceinline__ void recordError(const DeviceState& st, int32_t phase, int32_t rank, int32_t peer, int64_t a,
                                             int64_t b) {

@@ -19,6 +19,7 @@
 #include "core/call_order.hpp"
 #include "core/cuda_check.hpp"
 #include "core/env.hpp"
+#include "core/kernel_args.hpp"
 #include "core/log.hpp"
 #include "core/validate.hpp"
 #include "epcomm/error.hpp"
@@ -136,12 +137,8 @@ class NvshmemAllToAll final : public AllToAll {
 
   void dispatch(const DispatchArgs& a) override {
     checkUsable();
-    PackedDispatch& p = packedDispatch_[callSlot(a.doSend, a.doRecv)];
-    if (!p.valid || !sameArgs(p.args, a)) {
-      packDispatch(a, p);
-    } else {
-      order_.checkDispatch(a.doSend, a.doRecv);
-    }
+    const PackedDispatch& p = packedFor(
+        packedDispatch_, a, [&] { packDispatch(a); }, [&] { order_.checkDispatch(a.doSend, a.doRecv); });
     checkCurrentDevice(device_, config_.rank);
     if (a.doSend) {
       checkLaunch(nvshmem::launchDispatchSend(p.send, a.stream), "", config_.rank, "nvshmem dispatch send kernel");
@@ -154,12 +151,8 @@ class NvshmemAllToAll final : public AllToAll {
 
   void combine(const CombineArgs& a) override {
     checkUsable();
-    PackedCombine& p = packedCombine_[callSlot(a.doSend, a.doRecv)];
-    if (!p.valid || !sameArgs(p.args, a)) {
-      packCombine(a, p);
-    } else {
-      order_.checkCombine(a.doSend, a.doRecv);
-    }
+    const PackedCombine& p = packedFor(
+        packedCombine_, a, [&] { packCombine(a); }, [&] { order_.checkCombine(a.doSend, a.doRecv); });
     checkCurrentDevice(device_, config_.rank);
     if (a.doSend) {
       // The peers' combine-send reads the weights of every token this rank dispatched.
@@ -202,59 +195,37 @@ class NvshmemAllToAll final : public AllToAll {
     int64_t weightRows = 0;
   };
 
-  // Slot of a call in packedDispatch_ / packedCombine_: send half 0, receive half 1, both 2 (neither: 0, and the
-  // argument checks throw).
-  static int callSlot(bool doSend, bool doRecv) { return doSend && doRecv ? 2 : (doRecv ? 1 : 0); }
-
-  // Checks a dispatch's arguments (then its place in the call order) and packs the kernels' arguments into `p`.
-  void packDispatch(const DispatchArgs& a, PackedDispatch& p) {
-    p.valid = false;
+  // Checks a dispatch's arguments (then its place in the call order) and packs the kernels' arguments into the call
+  // kind's slot (packedFor).
+  void packDispatch(const DispatchArgs& a) {
     const CheckedDispatch c = checkDispatchArgs(config_, a, MemoryKind::kCuda, device_);
     order_.checkDispatch(a.doSend, a.doRecv);
+    PackedDispatch& p = packedDispatch_[callSlot(a.doSend, a.doRecv)];
+    p.valid = false;
     std::memset(&p.send, 0, sizeof p.send);
     std::memset(&p.recv, 0, sizeof p.recv);
     if (a.doSend) {
       nvshmem::DispatchSendArgs& k = p.send;
       k.g = geo_;
       k.st = state();
-      k.x = static_cast<const uint8_t*>(a.x.data);
-      k.xRowStrideBytes = c.xRowStrideBytes;
-      k.xScale = static_cast<const uint8_t*>(a.xScale.data);
-      k.xScaleStrideBytes[0] = c.scaleStrides[0] * 4;
-      k.xScaleStrideBytes[1] = c.scaleStrides[1] * 4;
-      k.indices = a.indices.data;
-      k.indexKind = c.indexKind;
-      k.indexStrides[0] = c.indexStrides[0];
-      k.indexStrides[1] = c.indexStrides[1];
-      k.m = c.m;
-      k.boundM = a.boundM;
+      packDispatchSend(k, a, c, k.xScaleStrideBytes, 4);
     }
     if (a.doRecv) {
       nvshmem::DispatchRecvArgs& k = p.recv;
       k.g = geo_;
       k.st = state();
-      k.outNumTokens = static_cast<int32_t*>(a.outExpertNumTokens.data);
-      k.outX = static_cast<uint8_t*>(a.outExpertX.data);
-      k.outExpertStrideBytes = c.outExpertStrideBytes;
-      k.outRowStrideBytes = c.outRowStrideBytes;
-      k.outScale = static_cast<uint8_t*>(a.outExpertXScale.data);
-      if (config_.layout == Layout::kPacked) {
-        k.outScaleStrideBytes[0] = 0;
-        k.outScaleStrideBytes[1] = c.outScaleStrides[0] * 4;
-        k.outScaleStrideBytes[2] = c.outScaleStrides[1] * 4;
-      } else {
-        for (int d = 0; d < 3; ++d) k.outScaleStrideBytes[d] = c.outScaleStrides[d] * 4;
-      }
+      packDispatchRecv(k, a, c, config_.layout, k.outScaleStrideBytes, 4);
     }
     p.args = a;
     p.valid = true;
   }
 
   // The same for a combine (the weights' rows against the last dispatch are checked by the caller on every call).
-  void packCombine(const CombineArgs& a, PackedCombine& p) {
-    p.valid = false;
+  void packCombine(const CombineArgs& a) {
     const CheckedCombine c = checkCombineArgs(config_, a, MemoryKind::kCuda, device_);
     order_.checkCombine(a.doSend, a.doRecv);
+    PackedCombine& p = packedCombine_[callSlot(a.doSend, a.doRecv)];
+    p.valid = false;
     std::memset(&p.send, 0, sizeof p.send);
     std::memset(&p.recv, 0, sizeof p.recv);
     if (a.doSend) {
@@ -276,16 +247,8 @@ class NvshmemAllToAll final : public AllToAll {
       nvshmem::CombineRecvArgs& k = p.recv;
       k.g = geo_;
       k.st = state();
-      k.out = static_cast<uint8_t*>(a.outTokens.data);
-      k.outRowStride = c.outRowStride;
       k.outType = combineType(a.outTokens.dtype);
-      k.indices = a.indices.data;
-      k.indexKind = c.indexKind;
-      k.indexStrides[0] = c.indexStrides[0];
-      k.indexStrides[1] = c.indexStrides[1];
-      k.m = c.m;
-      k.boundM = a.boundM;
-      k.accumulate = a.accumulate ? 1 : 0;
+      packCombineRecv(k, a, c);
     }
     p.args = a;
     p.valid = true;

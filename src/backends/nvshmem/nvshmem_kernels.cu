@@ -282,6 +282,17 @@ __global__ void __launch_bounds__(kThreads) packPutKernel(const DispatchSendArgs
 // ----------------------------------------------------------------------------------------------------------------
 // Dispatch receive.
 
+// One thread: prefix[s] = the records of the senders before s in `regions` (their headers' counts), prefix[W] = all
+// W senders' records.
+__device__ __forceinline__ void recordPrefix(const char* regions, const Geometry& g, uint32_t W, uint32_t* prefix) {
+  uint32_t acc = 0;
+  for (uint32_t s = 0; s < W; ++s) {
+    prefix[s] = acc;
+    acc += headerOf(regions, g, s)[kHeaderRecords];
+  }
+  prefix[W] = acc;
+}
+
 // Block-wide, after every sender's header arrived: rowBase[s][le] = the first row of sender s's tokens for local expert
 // le (the counts of the earlier senders, plus in the packed layout the padded totals of the earlier experts), and the
 // record prefix over senders. Block 0 also writes the counts (when `outCounts` is given).
@@ -298,14 +309,7 @@ __device__ void rowTables(const Geometry& g, const char* recv, uint32_t* rowBase
     expertBase[le] = acc;
     if (outCounts != nullptr) outCounts[le] = static_cast<int32_t>(acc);
   }
-  if (threadIdx.x == 32) {
-    uint32_t acc = 0;
-    for (uint32_t s = 0; s < W; ++s) {
-      prefix[s] = acc;
-      acc += headerOf(regions, g, s)[kHeaderRecords];
-    }
-    prefix[W] = acc;
-  }
+  if (threadIdx.x == 32) recordPrefix(regions, g, W, prefix);
   __syncthreads();
   if (threadIdx.x < 32) {
     // Warp 0: exclusive scan of the padded totals (packed), zero (batched: each expert has its own block of rows).
@@ -448,14 +452,7 @@ __global__ void __launch_bounds__(kThreads) combineSendKernel(const CombineSendA
   }
   if (__syncthreads_and(ok ? 1 : 0) != 0) {
     const char* recv = a.st.sym + g.offDispRecv;
-    if (threadIdx.x == 0) {
-      uint32_t acc = 0;
-      for (uint32_t s = 0; s < W; ++s) {
-        prefix[s] = acc;
-        acc += headerOf(recv, g, s)[kHeaderRecords];
-      }
-      prefix[W] = acc;
-    }
+    if (threadIdx.x == 0) recordPrefix(recv, g, W, prefix);
     __syncthreads();
     const int2* rows = reinterpret_cast<const int2*>(a.st.scratch + g.offRows);
     const float* weights = reinterpret_cast<const float*>(a.st.sym + g.offWeightRecv);

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "core/kernel_args.hpp"
 #include "core/layout.hpp"
 #include "epcomm/config.hpp"
 
@@ -118,17 +119,7 @@ EPCOMM_HD uint64_t recvSharedBytes(const Geometry& g) {
 /// H200's 232448), which bounds the routing block's warps. Returns routeWarps = 0 when even one warp does not fit.
 inline Geometry makeGeometry(const Config& c, uint64_t maxSharedBytes) {
   Geometry g{};
-  g.worldSize = c.worldSize;
-  g.rank = c.rank;
-  g.dpSize = c.dpSize;
-  g.numExperts = c.numExperts;
-  g.numLocalExperts = c.numLocalExperts();
-  g.topK = c.expertsPerToken;
-  g.maxTokens = c.maxNumTokens;
-  g.slotsPerSender = static_cast<uint32_t>(ceilDiv(c.maxNumTokens, c.dpSize));
-  g.hiddenDim = c.hiddenDim;
-  g.hiddenBytes = c.hiddenDimBytes;
-  g.scaleBytes = c.hiddenDimScaleBytes;
+  packConfigShape(g, c);
   g.metaOffset =
       static_cast<uint32_t>(roundUpPow2(static_cast<uint64_t>(c.hiddenDimBytes) + c.hiddenDimScaleBytes, 16));
   g.recordBytes = g.metaOffset + static_cast<uint32_t>(roundUpPow2(4ull * kMetaEntries + 8ull * c.expertsPerToken, 16));

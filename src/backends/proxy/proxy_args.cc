@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "core/kernel_args.hpp"
 #include "epcomm/error.hpp"
 
 namespace epcomm {
@@ -25,35 +26,14 @@ Args withContext(const KernelContext& ctx) {
 
 DispatchSendArgs dispatchSendArgs(const KernelContext& ctx, const DispatchArgs& a, const CheckedDispatch& c) {
   DispatchSendArgs k = withContext<DispatchSendArgs>(ctx);
-  k.x = static_cast<const uint8_t*>(a.x.data);
-  k.xRowStrideBytes = c.xRowStrideBytes;
-  k.xScale = static_cast<const uint8_t*>(a.xScale.data);
-  k.xScaleStrides[0] = c.scaleStrides[0];
-  k.xScaleStrides[1] = c.scaleStrides[1];
-  k.indices = a.indices.data;
-  k.indexKind = c.indexKind;
-  k.indexStrides[0] = c.indexStrides[0];
-  k.indexStrides[1] = c.indexStrides[1];
-  k.m = c.m;
+  packDispatchSend(k, a, c, k.xScaleStrides, 1);
   k.maxNumTokens = ctx.maxNumTokens;
-  k.boundM = a.boundM;
   return k;
 }
 
 DispatchRecvArgs dispatchRecvArgs(const KernelContext& ctx, const DispatchArgs& a, const CheckedDispatch& c) {
   DispatchRecvArgs k = withContext<DispatchRecvArgs>(ctx);
-  k.outNumTokens = static_cast<int32_t*>(a.outExpertNumTokens.data);
-  k.outX = static_cast<uint8_t*>(a.outExpertX.data);
-  k.outExpertStrideBytes = c.outExpertStrideBytes;
-  k.outRowStrideBytes = c.outRowStrideBytes;
-  k.outScale = static_cast<uint8_t*>(a.outExpertXScale.data);
-  if (ctx.sizes.layout == Layout::kPacked) {
-    k.outScaleStrides[0] = 0;
-    k.outScaleStrides[1] = c.outScaleStrides[0];
-    k.outScaleStrides[2] = c.outScaleStrides[1];
-  } else {
-    for (int d = 0; d < 3; ++d) k.outScaleStrides[d] = c.outScaleStrides[d];
-  }
+  packDispatchRecv(k, a, c, ctx.sizes.layout, k.outScaleStrides, 1);
   return k;
 }
 
@@ -74,18 +54,10 @@ CombineRecvArgs combineRecvArgs(const KernelContext& ctx, const CombineArgs& a, 
   k.hidden = ctx.hidden;
   k.yType = yType;
   k.outType = combineType(a.outTokens.dtype);
-  k.out = static_cast<uint8_t*>(a.outTokens.data);
-  k.outRowStride = c.outRowStride;
-  k.indices = a.indices.data;
-  k.indexKind = c.indexKind;
-  k.indexStrides[0] = c.indexStrides[0];
-  k.indexStrides[1] = c.indexStrides[1];
+  packCombineRecv(k, a, c);
   k.weights = static_cast<const float*>(a.weights.data);
   k.weightStrides[0] = c.weightStrides[0];
   k.weightStrides[1] = c.weightStrides[1];
-  k.m = c.m;
-  k.boundM = a.boundM;
-  k.accumulate = a.accumulate ? 1 : 0;
   return k;
 }
 

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "core/combine_type.hpp"
+#include "core/error_record.hpp"
 #include "proxy/protocol.hpp"
 
 namespace epcomm {
@@ -28,15 +29,10 @@ enum ErrorPhase : int32_t {
   kPhaseCombineBadIndex = 6,  ///< combine-recv: an expert index outside [-1, E)
 };
 
-/// Written once by the first kernel that fails (host-mapped, read by the next API call).
-struct ErrorRecord {
-  int32_t code;   ///< 0 = none, else an ErrorPhase
-  int32_t rank;   ///< rank that detected it
-  int32_t peer;   ///< sender / owner involved, -1 when none
-  int32_t block;  ///< block that detected it
-  int64_t a;      ///< token or entry index, or the flag value seen (timeouts)
-  int64_t b;      ///< position and index, or the expected flag value (timeouts)
-};
+/// Written once by the first kernel that fails (host-mapped, read by the next API call). `code` is an ErrorPhase;
+/// peer: the sender or owner involved; a, b: the token or entry index and the position and index, or the flag value
+/// seen and the one expected (timeouts).
+using ErrorRecord = KernelErrorRecord;
 
 /// Stamps of one round (EPCOMM_PROXY_TRACE): device stamps are %globaltimer ns, host stamps CLOCK_REALTIME ns.
 struct TraceRound {

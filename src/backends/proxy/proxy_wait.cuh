@@ -87,15 +87,7 @@ __device__ __noinline__ void recordErrorAt(int32_t* claim, Mailbox* mailbox, int
                                            int64_t a, int64_t b, bool halt) {
   const int32_t old = atomicOr(claim, halt ? 3 : 1);
   if ((old & 1) != 0) return;
-  volatile ErrorRecord* r = &mailbox->error;
-  r->rank = rank;
-  r->peer = peer;
-  r->block = static_cast<int32_t>(blockIdx.x);
-  r->a = a;
-  r->b = b;
-  __threadfence_system();
-  r->code = phase;
-  __threadfence_system();
+  publishKernelError(&mailbox->error, phase, rank, peer, a, b);
 }
 __device__ __forceinline__ void recordError(const DeviceState& st, int32_t phase, int32_t rank, int32_t peer, int64_t a,
                                             int64_t b, bool halt) {
