@@ -107,13 +107,7 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
     }
     const bool scales = piece == pieces - 1;
     uint32_t sc[2] = {0, 0};
-    if (scales) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const uint32_t c = lane + 32 * i;
-        if (c < scaleWords) sc[i] = *reinterpret_cast<const uint32_t*>(scaleSrc + c * scaleStride);
-      }
-    }
+    if (scales) loadFirstScales(scaleSrc, scaleStride, lane, scaleWords, sc);
     // The entries last: their poll (a loop the loads above cannot move past) overlaps the payload's latency.
     RouteEntry e0{-1, 0};
     if (havePre && !kDynamic) {

@@ -168,6 +168,17 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
 // may store into (the fused kernel leaves its own rank out). `kFilter`: which slots (SlotFilter; the fused kernel
 // splits pull mode's pushed and staged slots between two groups of blocks). A template argument, so push mode's loop
 // is the plain one.
+// Scale words c = lane and lane + 32 (those below scaleWords) of a token whose word c is at scaleSrc + c * scaleStride:
+// the ones loaded with the payload (any further ones are copied after it).
+__device__ __forceinline__ void loadFirstScales(const uint8_t* scaleSrc, int64_t scaleStride, uint32_t lane,
+                                                uint32_t scaleWords, uint32_t (&sc)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const uint32_t c = lane + 32 * i;
+    if (c < scaleWords) sc[i] = *reinterpret_cast<const uint32_t*>(scaleSrc + static_cast<int64_t>(c) * scaleStride);
+  }
+}
+
 template <int kFilter>
 __device__ void dispatchPayload(const DispatchKernelArgs& a, uint32_t n, uint32_t warpId, uint32_t numWarps,
                                 uint32_t destMask) {
@@ -194,14 +205,8 @@ __device__ void dispatchPayload(const DispatchKernelArgs& a, uint32_t n, uint32_
     const bool scales = piece == pieces - 1;
     uint32_t sc[2] = {0, 0};
     if (scales) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const uint32_t c = lane + 32 * i;
-        if (c < scaleWords) {
-          sc[i] = *reinterpret_cast<const uint32_t*>(a.xScale + static_cast<int64_t>(t) * a.xScaleStrideBytes[0] +
-                                                     static_cast<int64_t>(c) * a.xScaleStrideBytes[1]);
-        }
-      }
+      loadFirstScales(a.xScale + static_cast<int64_t>(t) * a.xScaleStrideBytes[0], a.xScaleStrideBytes[1], lane,
+                      scaleWords, sc);
     }
     uint32_t ranks = 0;
     if (e0 >= 0 && e0 < static_cast<int64_t>(g.numExperts)) ranks = 1u << (static_cast<uint32_t>(e0) / L);
