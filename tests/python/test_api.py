@@ -80,6 +80,14 @@ def test_plan_table():
         epcomm.plan("decode", "carrier-pigeon", world_size=8)
 
 
+def test_plan_proxy_without_a_gpu():
+    # The proxy backend's planner is arithmetic: every build has it, with or without a GPU or the backend itself.
+    p = epcomm.plan("decode", "proxy", world_size=8)
+    own = [b for b in p.buffers if b.owner == "proxy"]
+    assert own and sum(b.bytes for b in own) > 0
+    assert any("registered" in b.memory for b in own)
+
+
 def test_env_vars_listed():
     names = [n for n, _, _ in epcomm.env_vars()]
     assert "EPCOMM_TIMEOUT_MS" in names and "EPCOMM_BOOTSTRAP" in names

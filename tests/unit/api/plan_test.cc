@@ -67,8 +67,10 @@ TEST(Plan, BackendRows) {
     ASSERT_GT(plan.size(), 5u) << backend;
     EXPECT_EQ(plan[0].owner, "outputs");
     EXPECT_EQ(plan[5].owner, backend);
-    const bool isBuilt = std::find(built.begin(), built.end(), backend) != built.end();
-    if (!isBuilt) {
+    // The proxy backend's planner is built everywhere (a machine without a GPU plans a cluster's buffers).
+    const bool planned =
+        std::string(backend) == "proxy" || std::find(built.begin(), built.end(), backend) != built.end();
+    if (!planned) {
       EXPECT_EQ(plan.size(), 6u) << backend;
       EXPECT_EQ(plan[5].note, "not built in this build") << backend;
       EXPECT_EQ(plan[5].bytes, 0u);
