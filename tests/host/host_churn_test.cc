@@ -58,6 +58,7 @@ struct Usage {
   int fds = 0;
   int threads = 0;
   int64_t residentKiB = 0;
+  int64_t heapBytes = 0;  ///< malloc's bytes in use (one arena, see the test)
 };
 
 Usage usage() {
@@ -68,6 +69,7 @@ Usage usage() {
   int64_t size = 0, resident = 0;
   statm >> size >> resident;
   u.residentKiB = resident * (sysconf(_SC_PAGESIZE) / 1024);
+  u.heapBytes = static_cast<int64_t>(mallinfo2().uordblks);
   return u;
 }
 
@@ -92,10 +94,17 @@ TEST_P(HostChurn, ObjectsComeAndGoTwoInFlight) {
       sc.W,
       [&](int rank, Bootstrap& bootstrap) {
         // One malloc arena: glibc otherwise gives new threads (each object's progress and proxy threads) arenas of
-        // their own, and resident memory then steps up by tens of MB for reasons that are not leaks.
+        // their own, and its in-use count would miss them.
         mallopt(M_ARENA_MAX, 1);
-        Usage early, mid, q3;
         std::unique_ptr<host::HostAllToAll> older;
+        // Measured with no object alive and every rank past its teardown: what an object holds (buffers, provider
+        // pools of ~100 MB resident over tcp, sockets, threads) is gone then, and what remains is what leaked.
+        auto quiescent = [&] {
+          older.reset();
+          bootstrap.barrier();
+          return usage();
+        };
+        Usage early, mid;
         for (uint32_t i = 0; i < n; ++i) {
           Scenario s = sc;
           s.seed = i;
@@ -104,32 +113,27 @@ TEST_P(HostChurn, ObjectsComeAndGoTwoInFlight) {
           if (older) ASSERT_TRUE(checkedRound(*older, s, rank, 2 * i + 1)) << "object " << i - 1;
           ASSERT_TRUE(checkedRound(*newer, s, rank, 2 * i)) << "object " << i;
           older = std::move(newer);  // the one before is destroyed here
-          if (i == 9) early = usage();
-          if (i == n / 2) mid = usage();
-          if (i == 3 * n / 4) q3 = usage();
-          if (std::getenv("CHURN_TRACE") != nullptr && i % 20 == 9) {
-            const Usage u = usage();
-            std::printf("rank %d object %u: fds %d threads %d resident %lld KiB\n", rank, i, u.fds, u.threads,
-                        static_cast<long long>(u.residentKiB));
-          }
+          if (i == 9) early = quiescent();
+          if (i == n / 2) mid = quiescent();
         }
-        const Usage late = usage();  // one object alive, as after the first ten
-        older.reset();
+        const Usage late = quiescent();
         EXPECT_EQ(late.fds, early.fds) << "open file descriptors after 10 objects vs after " << n;
         EXPECT_EQ(late.threads, early.threads) << "threads after 10 objects vs after " << n;
-        // Memory: the allocator and libfabric settle within the first objects, and a provider's buffer pools may
-        // grow once more later (seen: one step of ~16 MB on a tcp rank); a leak grows with every object, so it shows
-        // in both quarters of the second half. At least one of them must stay flat.
-        const int64_t grow3 = q3.residentKiB - mid.residentKiB, grow4 = late.residentKiB - q3.residentKiB;
-        EXPECT_LT(std::min(grow3, grow4), 2 * 1024)
-            << "resident memory grew in both quarters of the second half: " << mid.residentKiB << " KiB (object "
-            << n / 2 << "), " << q3.residentKiB << " KiB (object " << 3 * n / 4 << "), " << late.residentKiB
-            << " KiB (object " << n - 1 << ")";
+        // A leak of anything an object allocates (its buffers are pages) grows by kilobytes per object.
+        // libfabric 1.17's shm provider keeps ~300 bytes per endpoint until the process exits (freed at exit: valgrind
+        // reports no leak).
+        const int64_t second = static_cast<int64_t>(n - 1 - n / 2);
+        EXPECT_LT(late.heapBytes - mid.heapBytes, 1024 * second)
+            << "heap in use grew from " << mid.heapBytes << " B (object " << n / 2 << ") to " << late.heapBytes
+            << " B (object " << n - 1 << ")";
         if (rank == 0) {
-          std::printf("%s: %u objects, fds %d -> %d, threads %d -> %d, resident %lld -> %lld -> %lld KiB\n",
-                      GetParam().c_str(), n, early.fds, late.fds, early.threads, late.threads,
-                      static_cast<long long>(early.residentKiB), static_cast<long long>(mid.residentKiB),
-                      static_cast<long long>(late.residentKiB));
+          std::printf(
+              "%s: %u objects, fds %d -> %d, threads %d -> %d, heap in use %lld -> %lld -> %lld B, resident %lld "
+              "-> %lld KiB\n",
+              GetParam().c_str(), n, early.fds, late.fds, early.threads, late.threads,
+              static_cast<long long>(early.heapBytes), static_cast<long long>(mid.heapBytes),
+              static_cast<long long>(late.heapBytes), static_cast<long long>(early.residentKiB),
+              static_cast<long long>(late.residentKiB));
         }
       },
       opts);
