@@ -19,6 +19,7 @@
 #include "epcomm/error.hpp"
 #include "epcomm/fabric/transfer_engine.hpp"
 #include "gpu_harness.hpp"
+#include "support/fabric_probe.hpp"
 #include "support/multiprocess.hpp"
 #include "support/scoped_env.hpp"
 
@@ -30,24 +31,6 @@ using gputest::DeviceTensors;
 using gputest::Round;
 using gputest::Scenario;
 using test::ScopedEnv;
-
-// Whether the provider works here, probed in a child so that this process never initialises libfabric (or CUDA)
-// before forking ranks.
-bool providerAvailable(const std::string& provider) {
-  static std::map<std::string, bool> cache;
-  auto it = cache.find(provider);
-  if (it != cache.end()) return it->second;
-  test::RunResult r = test::runProcesses(1, [&](int) {
-    fabric::EngineOptions eo;
-    eo.provider = provider;
-    try {
-      fabric::TransferEngine::create(eo);
-    } catch (const Error&) {
-      _exit(3);
-    }
-  });
-  return cache[provider] = r.allOk();
-}
 
 test::RunOptions options() {
   test::RunOptions o;
@@ -75,7 +58,7 @@ class ProxyGpu : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     if (gputest::gpuCount() == 0) GTEST_SKIP() << "no CUDA device";
-    if (!providerAvailable(GetParam())) GTEST_SKIP() << "libfabric provider '" << GetParam() << "' is not usable here";
+    SKIP_WITHOUT(GetParam());
     env_ = std::make_unique<ScopedEnv>(std::initializer_list<std::pair<const char*, const char*>>{
         {"EPCOMM_FABRIC_PROVIDER", GetParam().c_str()}, {"EPCOMM_PROXY_LOCAL_SIZE", "1"}});
   }

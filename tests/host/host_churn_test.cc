@@ -21,6 +21,7 @@
 #include "epcomm/error.hpp"
 #include "epcomm/fabric/transfer_engine.hpp"
 #include "host_harness.hpp"
+#include "support/fabric_probe.hpp"
 #include "support/multiprocess.hpp"
 
 namespace epcomm {
@@ -30,19 +31,6 @@ namespace {
 uint32_t objects(uint32_t fallback) {
   const char* v = std::getenv("CHURN_OBJECTS");
   return v != nullptr && *v != '\0' ? static_cast<uint32_t>(std::strtoul(v, nullptr, 10)) : fallback;
-}
-
-bool providerAvailable(const std::string& provider) {
-  RunResult r = runProcesses(1, [&](int) {
-    fabric::EngineOptions eo;
-    eo.provider = provider;
-    try {
-      fabric::TransferEngine::create(eo);
-    } catch (const Error&) {
-      _exit(3);
-    }
-  });
-  return r.allOk();
 }
 
 int countEntries(const char* dir) {

@@ -19,6 +19,7 @@
 #include "epcomm/error.hpp"
 #include "epcomm/fabric/transfer_engine.hpp"
 #include "host_harness.hpp"
+#include "support/fabric_probe.hpp"
 #include "support/multiprocess.hpp"
 
 namespace epcomm {
@@ -28,22 +29,6 @@ namespace {
 uint64_t envNumber(const char* name, uint64_t fallback) {
   const char* v = std::getenv(name);
   return v != nullptr && *v != '\0' ? std::strtoull(v, nullptr, 10) : fallback;
-}
-
-bool providerAvailable(const std::string& provider) {
-  static std::map<std::string, bool> cache;
-  auto it = cache.find(provider);
-  if (it != cache.end()) return it->second;
-  RunResult r = runProcesses(1, [&](int) {
-    fabric::EngineOptions eo;
-    eo.provider = provider;
-    try {
-      fabric::TransferEngine::create(eo);
-    } catch (const Error&) {
-      _exit(3);
-    }
-  });
-  return cache[provider] = r.allOk();
 }
 
 // One soak case: a scenario, how its rounds are called, and optionally a second object in flight with it.
