@@ -17,7 +17,7 @@ namespace {
 __global__ void __launch_bounds__(kCopyThreads) combineSendKernel(const CombineSendArgs a) {
   const DeviceState& st = a.st;
   extern __shared__ uint32_t smem[];  // sendCum[G * L + 1], srcStart[G * L]
-  if (halted(st)) return;
+  if (blockHalted(st)) return;
   const proxy::ProtocolSizes& s = a.sizes;
   const TableGeometry& tg = a.tg;
   const uint32_t L = s.numLocalExperts, W = s.worldSize, D = s.dpSize, pieces = tg.G * L;
@@ -25,12 +25,12 @@ __global__ void __launch_bounds__(kCopyThreads) combineSendKernel(const CombineS
   if (blockIdx.x == 0 && threadIdx.x == 0) stamp(st, round, &TraceRound::combStart);
   uint32_t* sendCum = smem;
   uint32_t* srcStart = smem + pieces + 1;
+  const uint32_t* tables = deviceTables(st);
   for (uint32_t i = threadIdx.x; i <= pieces; i += blockDim.x) {
-    sendCum[i] = ldVolatileU32(a.ch.tables + tg.offSendCum + i);
+    sendCum[i] = tables[tg.offSendCum + i];
     if (i < pieces) {
       const uint32_t g = i / L, le = i % L;
-      srcStart[i] = ldVolatileU32(a.ch.tables + tg.offOutputRowBase + le) +
-                    ldVolatileU32(a.ch.tables + tg.offSlotOffset + le * (W + 1) + g * D);
+      srcStart[i] = tables[tg.offOutputRowBase + le] + tables[tg.offSlotOffset + le * (W + 1) + g * D];
     }
   }
   __syncthreads();
@@ -143,10 +143,9 @@ __global__ void __launch_bounds__(kSumThreads) combineRecvKernel(const CombineRe
   const uint8_t** termRow = reinterpret_cast<const uint8_t**>((reinterpret_cast<uintptr_t>(recvStart + W + 1) + 7) &
                                                               ~static_cast<uintptr_t>(7));
   float* termW = reinterpret_cast<float*>(termRow + K);
-  for (uint32_t i = threadIdx.x; i < D * E; i += blockDim.x)
-    rowBase[i] = ldVolatileU32(a.ch.tables + tg.offRowBase + i);
-  for (uint32_t i = threadIdx.x; i < W; i += blockDim.x)
-    recvStart[i] = ldVolatileU32(a.ch.tables + tg.offRecvStart + i);
+  const uint32_t* tables = deviceTables(st);
+  for (uint32_t i = threadIdx.x; i < D * E; i += blockDim.x) rowBase[i] = tables[tg.offRowBase + i];
+  for (uint32_t i = threadIdx.x; i < W; i += blockDim.x) recvStart[i] = tables[tg.offRecvStart + i];
   __syncthreads();
   const uint64_t* pos = reinterpret_cast<const uint64_t*>(st.scratch + st.sg.offPos);
   const uint32_t H = a.hidden;

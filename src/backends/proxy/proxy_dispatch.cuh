@@ -17,7 +17,7 @@ namespace {
 // of each (token, owner) in the owner's send slot; and the head (expertCounts, entryCounts) into every send slot.
 __global__ void __launch_bounds__(kRankThreads) dispatchRouteKernel(const DispatchSendArgs a) {
   const DeviceState& st = a.st;
-  if (halted(st)) return;
+  if (blockHalted(st)) return;
   const proxy::ProtocolSizes& s = a.sizes;
   const uint32_t K = s.expertsPerToken, E = s.numExperts, L = s.numLocalExperts, W = s.worldSize, D = s.dpSize;
   const uint32_t me = s.rank, T = a.maxNumTokens;
@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRouteKernel(const Dispat
 // destinations' send slots; the last block signals dispatchReady.
 __global__ void __launch_bounds__(kCopyThreads) dispatchPackKernel(const DispatchSendArgs a) {
   const DeviceState& st = a.st;
-  if (halted(st)) return;
+  if (blockHalted(st)) return;
   const proxy::ProtocolSizes& s = a.sizes;
   const uint32_t K = s.expertsPerToken, L = s.numLocalExperts, D = s.dpSize, me = s.rank;
   const uint32_t round = *seqWord(st, kSeqDispatchSend);
@@ -243,6 +243,13 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRankKernel(const Dispatc
   __syncthreads();
   if (!ok) return;
   const uint32_t* tables = a.ch.tables;
+  {
+    // The device copy of the tables for the kernels after this one: the blocks split the words.
+    uint32_t* copy = reinterpret_cast<uint32_t*>(st.scratch + st.sg.offTables);
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < tg.words; i += gridDim.x * blockDim.x) {
+      copy[i] = ldVolatileU32(tables + i);
+    }
+  }
   uint32_t n = ldVolatileU32(tables + tg.offEntries + src);
   if (n > s.maxSendTokens) {
     recordError(st, kPhaseCorruptEntry, static_cast<int32_t>(me), static_cast<int32_t>(src), n, s.maxSendTokens, true);
@@ -321,10 +328,9 @@ __global__ void __launch_bounds__(kCopyThreads) dispatchCopyKernel(const Dispatc
   const proxy::ProtocolSizes& s = a.sizes;
   const TableGeometry& tg = a.tg;
   const uint32_t W = s.worldSize;
-  if (halted(st)) return;  // the rank kernel gave up: the tables are not this round's
-  for (uint32_t i = threadIdx.x; i <= W; i += blockDim.x) {
-    entryStart[i] = ldVolatileU32(a.ch.tables + tg.offEntryStart + i);
-  }
+  if (blockHalted(st)) return;  // the rank kernel gave up: the tables are not this round's
+  const uint32_t* tables = deviceTables(st);
+  for (uint32_t i = threadIdx.x; i <= W; i += blockDim.x) entryStart[i] = tables[tg.offEntryStart + i];
   __syncthreads();
   const bool batched = s.layout == Layout::kBatched;
   const uint64_t R = s.batchedRowsPerExpert;
@@ -336,7 +342,7 @@ __global__ void __launch_bounds__(kCopyThreads) dispatchCopyKernel(const Dispatc
   for (uint32_t u = blockIdx.x + gridDim.x * warpId(); u < total; u += warps) {
     while (entryStart[src + 1] <= u) ++src;  // items ascend per warp: the sender only moves forward
     const uint32_t j = u - entryStart[src];
-    const uint8_t* entry = entryAt(a, src, j, ldVolatileU32(a.ch.tables + tg.offOverflowStart + src));
+    const uint8_t* entry = entryAt(a, src, j, tables[tg.offOverflowStart + src]);
     const uint32_t count = *entryCountOf(a, src, j);
     const uint32_t* rows = rowsOf(a, src, j);
     for (uint64_t off = lane * 16ull; off < s.payloadBytes; off += 32 * 16) {

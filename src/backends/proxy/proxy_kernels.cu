@@ -8,6 +8,8 @@
 // argument and the bound on every wait.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "backends/proxy/proxy_combine.cuh"
 #include "backends/proxy/proxy_dispatch.cuh"
 #include "backends/proxy/proxy_kernels.hpp"
@@ -17,7 +19,19 @@ namespace gpuproxy {
 
 namespace {
 
-__global__ void clockProbeKernel(uint64_t* out) { *reinterpret_cast<volatile uint64_t*>(out) = globalTimerNs(); }
+// Clock check (one thread): n times, waits for the host's request cell[0] = 2i + 1, stores %globaltimer into cell[1]
+// and acknowledges with cell[0] = 2i + 2. The host keeps the request whose round trip was shortest. Each wait gives up
+// after a second (the host then reports the clocks as not compared).
+__global__ void clockProbeKernel(uint64_t* cell, uint32_t n) {
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint64_t start = globalTimerNs();
+    while (ldAcquireSys(cell) != 2ull * i + 1) {
+      if (globalTimerNs() - start > 1000000000ull) return;
+    }
+    *reinterpret_cast<volatile uint64_t*>(cell + 1) = globalTimerNs();
+    stReleaseSys(cell, 2ull * i + 2);
+  }
+}
 
 template <int kY>
 const void* combineRecvFor(int outType) {
@@ -37,24 +51,40 @@ int launch(const void* fn, uint32_t blocks, uint32_t threads, size_t smem, const
       cudaLaunchKernel(fn, dim3(blocks), dim3(threads), params, smem, static_cast<cudaStream_t>(stream)));
 }
 
+// Blocks of a multi-block kernel whose warps each take one of `items` work items: no more than the items need
+// (a decode round keeps most SMs free, and every block's exit costs a system-scope fence), at most `blocks`.
+uint32_t blocksFor(uint64_t items, uint32_t threads, uint32_t blocks) {
+  const uint64_t warps = threads / 32;
+  const uint64_t need = (items + warps - 1) / warps;
+  return static_cast<uint32_t>(std::max<uint64_t>(1, std::min<uint64_t>(blocks, need)));
+}
+
 }  // namespace
 
 int launchDispatchSend(const DispatchSendArgs& a, uint32_t blocks, void* stream) {
   int rc = launch(reinterpret_cast<const void*>(&dispatchRouteKernel), 1, kRankThreads, 0, &a, stream);
   if (rc != 0) return rc;
-  return launch(reinterpret_cast<const void*>(&dispatchPackKernel), blocks, kCopyThreads, 0, &a, stream);
+  // One warp per own token of the call (at most m of them).
+  const uint32_t D = a.sizes.dpSize;
+  const uint64_t own = (static_cast<uint64_t>(a.m) + D - 1) / D;
+  return launch(reinterpret_cast<const void*>(&dispatchPackKernel), blocksFor(own, kCopyThreads, blocks), kCopyThreads,
+                0, &a, stream);
 }
 
 int launchDispatchRecv(const DispatchRecvArgs& a, uint32_t blocks, void* stream) {
   int rc = launch(reinterpret_cast<const void*>(&dispatchRankKernel), a.sizes.worldSize, kRankThreads, 0, &a, stream);
   if (rc != 0) return rc;
-  return launch(reinterpret_cast<const void*>(&dispatchCopyKernel), blocks, kCopyThreads, copySharedBytes(a.sizes), &a,
-                stream);
+  // One warp per received entry: at most maxSendTokens from each sender.
+  const uint64_t entries = static_cast<uint64_t>(a.sizes.worldSize) * a.sizes.maxSendTokens;
+  return launch(reinterpret_cast<const void*>(&dispatchCopyKernel), blocksFor(entries, kCopyThreads, blocks),
+                kCopyThreads, copySharedBytes(a.sizes), &a, stream);
 }
 
 int launchCombineSend(const CombineSendArgs& a, uint32_t blocks, void* stream) {
-  return launch(reinterpret_cast<const void*>(&combineSendKernel), blocks, kCopyThreads,
-                combineSendSharedBytes(a.sizes), &a, stream);
+  // One warp per row this rank received in the dispatch: at most combineSendRows.
+  return launch(reinterpret_cast<const void*>(&combineSendKernel),
+                blocksFor(a.sizes.combineSendRows, kCopyThreads, blocks), kCopyThreads, combineSendSharedBytes(a.sizes),
+                &a, stream);
 }
 
 uint64_t combineRecvSharedBytes(const proxy::ProtocolSizes& s) {
@@ -75,7 +105,8 @@ int launchCombineRecv(const CombineRecvArgs& a, uint32_t blocks, void* stream) {
       fn = combineRecvFor<kTypeF32>(a.outType);
       break;
   }
-  return launch(fn, blocks, kSumThreads, combineRecvSharedBytes(a.sizes), &a, stream);
+  // One block per token of the call (at most m).
+  return launch(fn, std::max(1u, std::min(blocks, a.m)), kSumThreads, combineRecvSharedBytes(a.sizes), &a, stream);
 }
 
 int configureKernels(uint32_t bytes) {
@@ -100,8 +131,9 @@ int configureKernels(uint32_t bytes) {
   return 0;
 }
 
-int launchClockProbe(uint64_t* out, void* stream) {
-  return launch(reinterpret_cast<const void*>(&clockProbeKernel), 1, 1, 0, &out, stream);
+int launchClockProbe(uint64_t* cell, uint32_t n, void* stream) {
+  clockProbeKernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(cell, n);
+  return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace gpuproxy

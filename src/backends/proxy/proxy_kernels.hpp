@@ -129,6 +129,8 @@ struct ScratchGeometry {
   uint64_t offRecvHist;  ///< u32 [W][kRankWarps][L]: per-chunk counts of the rank kernel (one block per sender)
   uint64_t offEntryN;    ///< u32 [W][maxSend]: local experts each received entry names
   uint64_t offRowOf;     ///< u32 [W][maxSend][maxLocalPerEntry]: output row of each received entry's experts
+  uint64_t offTables;    ///< u32 [TableGeometry::words]: the rank kernel's device copy of the round's tables, which
+                         ///< the copy and combine kernels read (one PCIe read per word per round, not per block)
   uint64_t bytes;
 };
 inline ScratchGeometry scratchGeometry(const proxy::ProtocolSizes& s, uint32_t maxNumTokens) {
@@ -163,6 +165,8 @@ inline ScratchGeometry scratchGeometry(const proxy::ProtocolSizes& s, uint32_t m
   at = align(at + 4ull * s.worldSize * s.maxSendTokens);
   g.offRowOf = at;
   at = align(at + 4ull * s.worldSize * s.maxSendTokens * s.maxLocalPerEntry);
+  g.offTables = at;
+  at = align(at + 4ull * tableGeometry(s).words);
   g.bytes = at;
   return g;
 }
@@ -257,8 +261,9 @@ int launchDispatchSend(const DispatchSendArgs& a, uint32_t blocks, void* stream)
 int launchDispatchRecv(const DispatchRecvArgs& a, uint32_t blocks, void* stream);
 int launchCombineSend(const CombineSendArgs& a, uint32_t blocks, void* stream);
 int launchCombineRecv(const CombineRecvArgs& a, uint32_t blocks, void* stream);
-/// Writes %globaltimer into *out (host-mapped) once, for the trace's clock check.
-int launchClockProbe(uint64_t* out, void* stream);
+/// The trace's clock check: a one-thread kernel that answers `n` requests of the host in cell[0] (host-mapped) with
+/// %globaltimer in cell[1] (see proxy_kernels.cu).
+int launchClockProbe(uint64_t* cell, uint32_t n, void* stream);
 /// Dynamic shared memory of the combine receive kernel (rowBase, recvStart, the token's terms).
 uint64_t combineRecvSharedBytes(const proxy::ProtocolSizes& sizes);
 /// Dynamic shared memory of the combine send kernel (piece starts) and of the copy kernel (entry starts).

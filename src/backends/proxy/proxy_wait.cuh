@@ -79,6 +79,20 @@ __device__ __forceinline__ bool haltedAt(const int32_t* claim, const Mailbox* ma
   return (ldVolatileI32(claim) & 2) != 0 || ldVolatileI32(&mailbox->abort) != 0;
 }
 __device__ __forceinline__ bool halted(const DeviceState& st) { return haltedAt(claimWord(st), st.mailbox); }
+// Every thread of the block calls it (it synchronises the block): thread 0 reads the words, the block shares the
+// answer. The mailbox is host memory, and a PCIe read per thread of a full grid costs milliseconds.
+__device__ __forceinline__ bool blockHalted(const DeviceState& st) {
+  __shared__ int stop;
+  if (threadIdx.x == 0) stop = halted(st) ? 1 : 0;
+  __syncthreads();
+  return stop != 0;
+}
+
+// The round's tables as the copy and combine kernels read them: the rank kernel's device copy (see
+// ScratchGeometry::offTables), read with plain loads (written by an earlier kernel of the stream).
+__device__ __forceinline__ const uint32_t* deviceTables(const DeviceState& st) {
+  return reinterpret_cast<const uint32_t*>(st.scratch + st.sg.offTables);
+}
 
 // Records the first error of the object (later ones are dropped: the host reports one). `halt`: also stop every
 // kernel of the object (a timeout or a corrupt buffer); a bad index only skips what it names. Scalar arguments: a
