@@ -9,6 +9,8 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -70,6 +72,78 @@ Geometry geometryFor(const Config& config, int smCount) {
   return nvlink::makeGeometry(config, chooseBlocks(config, smCount, threads), threads);
 }
 
+// Raises the kernels' dynamic shared-memory limit to at least `bytes`, never lowering it. The limit is a property of
+// each kernel function in the process, not of an object: an object of fewer experts created while one of more experts
+// is alive must not take the larger object's limit away (its next launch would fail with "invalid argument").
+int raiseSharedMemoryLimit(uint32_t bytes) {
+  static std::mutex mu;
+  static uint32_t configured = 0;
+  std::lock_guard<std::mutex> lock(mu);
+  if (bytes <= configured) return 0;
+  const int rc = nvlink::configureKernels(bytes);
+  if (rc == 0) configured = bytes;
+  return rc;
+}
+
+// The peers' regions this process has mapped (cudaIpcOpenMemHandle), by address. A handle that is already open in a
+// context is not mapped again: the driver returns the existing address and counts a reference. Two objects never share
+// a region, so an address already in the set means the driver took a new handle for one this process has open, a
+// mapping of memory its exporter freed (CUDA leaves freeing exported memory before the importers closed their mappings
+// undefined): refused, rather than handed to kernels that would store into it.
+class PeerMapping {
+ public:
+  PeerMapping() = default;
+  ~PeerMapping() { reset(); }
+  PeerMapping(PeerMapping&& o) noexcept : map_(std::move(o.map_)) {}
+  PeerMapping& operator=(PeerMapping&&) = delete;
+  PeerMapping(const PeerMapping&) = delete;
+  PeerMapping& operator=(const PeerMapping&) = delete;
+
+  /// Maps `handle` (rank `peer`'s region) for rank `me`. Throws Error(kCuda) when the driver fails, Error(kInternal)
+  /// when it returns an address this process has mapped already.
+  static PeerMapping open(const cudaIpcMemHandle_t& handle, uint32_t me, uint32_t peer) {
+    void* p = nullptr;
+    EPCOMM_CHECK_CUDA(cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess));
+    PeerMapping m;
+    std::lock_guard<std::mutex> lock(registryMutex());
+    if (!registry().insert(p).second) {
+      cudaIpcCloseMemHandle(p);  // drops the reference this open took; the earlier one stays with its owner
+      EPCOMM_THROW(kInternal, "rank " << me << ": the IPC handle of rank " << peer << "'s region opened at " << p
+                                      << ", an address this process has mapped already (a stale mapping of freed "
+                                         "memory); refusing to use it");
+    }
+    m.map_ = nvlink::IpcMapping(p);
+    return m;
+  }
+
+  char* get() const { return static_cast<char*>(map_.get()); }
+
+  /// Unmaps (if mapped). Returns the cudaError_t of cudaIpcCloseMemHandle (cudaSuccess when nothing was mapped).
+  cudaError_t reset() {
+    if (!map_) return cudaSuccess;
+    void* p = map_.get();
+    {
+      std::lock_guard<std::mutex> lock(registryMutex());
+      registry().erase(p);
+    }
+    cudaGetLastError();
+    map_.reset();
+    return cudaGetLastError();
+  }
+
+ private:
+  static std::mutex& registryMutex() {
+    static std::mutex* mu = new std::mutex;  // never destroyed: objects may outlive static destructors
+    return *mu;
+  }
+  static std::set<const void*>& registry() {
+    static auto* r = new std::set<const void*>;
+    return *r;
+  }
+
+  nvlink::IpcMapping map_;
+};
+
 const char* phaseName(int32_t phase) {
   switch (phase) {
     case nvlink::kPhaseDispatchRecv:
@@ -120,7 +194,7 @@ class NvlinkAllToAll final : public AllToAll {
     EPCOMM_CHECK(smem <= static_cast<uint32_t>(smemMax), kInvalidConfig,
                  "nvlink kernels would need " << smem << " bytes of shared memory (numExperts = " << config.numExperts
                                               << "), the device allows " << smemMax);
-    int rc = nvlink::configureKernels(smem);
+    int rc = raiseSharedMemoryLimit(smem);
     EPCOMM_CHECK(rc == 0, kCuda,
                  "cudaFuncSetAttribute(max dynamic shared memory "
                      << smem << ") failed: " << cudaGetErrorString(static_cast<cudaError_t>(rc)));
@@ -183,10 +257,8 @@ class NvlinkAllToAll final : public AllToAll {
         EPCOMM_CHECK(can != 0, kUnavailable,
                      "GPU " << device_ << " cannot access peer GPU " << all[r].device << " of rank " << r);
       }
-      void* p = nullptr;
-      EPCOMM_CHECK_CUDA(cudaIpcOpenMemHandle(&p, all[r].handle, cudaIpcMemLazyEnablePeerAccess));
-      peerMaps_.emplace_back(p);
-      peers_[r] = static_cast<char*>(p);
+      peerMaps_.push_back(PeerMapping::open(all[r].handle, me, r));
+      peers_[r] = peerMaps_.back().get();
     }
     // Nobody may store into a peer's region before the peer zeroed it (done above, before the allGather) and
     // every rank has mapped every other one.
@@ -196,19 +268,29 @@ class NvlinkAllToAll final : public AllToAll {
                                                 << " bytes peer-mapped, " << config.toString());
   }
 
-  // Peers may store into our region until they finished their last kernel: wait for this object's own work, then
-  // for every rank (the barrier), then the owners unmap and free. Work of this object captured into a caller's CUDA
-  // graph is the caller's to finish first.
+  // Teardown in two steps, each closed by a barrier of every rank:
+  // 1. This object's own work ends (LaunchMarks), then the barrier: no rank's kernel stores into a region any more.
+  // 2. Every rank unmaps the peers' regions, then the barrier: no rank has this rank's region mapped any more, and only
+  //    then the members free it. CUDA leaves freeing exported memory before its importers closed their mappings
+  //    undefined; with one barrier, an exporter could free (and allocate again, for its next object) while a peer still
+  //    had the old region mapped.
+  // When a barrier fails (a peer is gone) the rest goes on without it: a dead process's mappings died with it.
+  // Work of this object captured into a caller's CUDA graph is the caller's to finish first (the launches of a graph
+  // are not the object's to see); the graph executable itself may be destroyed before or after the object.
   ~NvlinkAllToAll() override {
     cudaSetDevice(device_);
     if (marks_.wait() != cudaSuccess) cudaGetLastError();
     launches_.reset();
     if (trace_.enabled()) std::fputs(trace_.summary(static_cast<int>(config_.rank)).c_str(), stderr);
-    try {
-      bootstrap_.barrier();
-    } catch (const std::exception& e) {
-      EPCOMM_LOG(kWarn, "nvlink teardown barrier failed: " << e.what());
+    bool together = teardownBarrier("after the last kernels");
+    for (PeerMapping& m : peerMaps_) {
+      const cudaError_t e = m.reset();
+      if (e != cudaSuccess) {
+        EPCOMM_LOG(kWarn, "rank " << config_.rank
+                                  << ": cudaIpcCloseMemHandle of a peer's region failed: " << cudaGetErrorString(e));
+      }
     }
+    if (together) teardownBarrier("after unmapping the peers' regions");
   }
 
   void dispatch(const DispatchArgs& a) override {
@@ -259,6 +341,17 @@ class NvlinkAllToAll final : public AllToAll {
   }
 
  private:
+  // One teardown barrier; false (logged) when it failed, e.g. because a peer is gone.
+  bool teardownBarrier(const char* when) {
+    try {
+      bootstrap_.barrier();
+      return true;
+    } catch (const std::exception& e) {
+      EPCOMM_LOG(kWarn, "rank " << config_.rank << ": nvlink teardown barrier " << when << " failed: " << e.what());
+      return false;
+    }
+  }
+
   // Launches kernel `l` with the `bytes` bytes at `args` on `stream` (through the launch cache), runs `launched` (the
   // call order's step) once it is on the stream, and marks the launch for synchronize() unless the stream is capturing
   // a graph. Throws Error(kCuda) naming `what` when the launch or its mark fails.
@@ -382,8 +475,8 @@ class NvlinkAllToAll final : public AllToAll {
   nvlink::DeviceMemory rowSlots_;   // DeviceState::rowSlots
   nvlink::PinnedMemory hostError_;  // nvlink::ErrorRecord, host-mapped
   nvlink::ErrorRecord* hostErrorDev_ = nullptr;
-  std::vector<nvlink::IpcMapping> peerMaps_;  // the other ranks' regions, mapped here
-  std::vector<char*> peers_;                  // every rank's region by rank (kMaxRanks entries; ours is region_)
+  std::vector<PeerMapping> peerMaps_;  // the other ranks' regions, mapped here
+  std::vector<char*> peers_;           // every rank's region by rank (kMaxRanks entries; ours is region_)
   /// Dispatch and combine alternate. A dispatch may not repeat without a combine: its send half would overwrite the
   /// peers' staging and routes while they may still be reading the last round's (the combine is the barrier).
   CallOrder order_{"nvlink", config_.rank, false};
