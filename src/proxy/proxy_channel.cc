@@ -68,7 +68,10 @@ std::atomic<uint32_t> gNextObjectId{0};
 void ProxyChannel::FreeBytes::operator()(uint8_t* p) const { std::free(p); }
 
 ProxyChannel::ProxyChannel(const Config& config, Bootstrap& bootstrap, const ChannelOptions& options)
-    : config_(config), onPosted_(options.onPosted) {
+    : config_(config), onPosted_(options.onPosted), bulkOverFabric_(options.bulkOverFabric) {
+  EPCOMM_CHECK(bulkOverFabric_.empty() || bulkOverFabric_.size() == config.worldSize, kInvalidArgument,
+               "host/proxy channel: bulkOverFabric has " << bulkOverFabric_.size() << " marks for " << config.worldSize
+                                                         << " ranks");
   sizes_ = computeSizes(config, options.privateTokens);
   timeoutMs_ = options.timeoutMs > 0 ? options.timeoutMs : env().timeoutMs;
   rank_ = config.rank;
@@ -695,7 +698,7 @@ void ProxyChannel::runDispatch(const Job& job) {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < peerRanks_.size(); ++i) {
       const uint32_t p = peerRanks_[i];
-      const uint64_t n = std::min(ownEntries[p], s.privateTokens);
+      const uint64_t n = fabricBulk(p) ? std::min(ownEntries[p], s.privateTokens) : 0;
       const uint64_t length = s.headBytes + n * s.entryBytes;
       slices[i].push_back(fabric::ScatterSlice{s.sendSlotOffset(p), s.privateSlotOffset(rank_), length});
       ++stats_.peers[p].headWrites;
@@ -720,6 +723,7 @@ void ProxyChannel::runDispatch(const Job& job) {
   // 3. The rest as one contiguous write per peer, into that peer's overflow region.
   std::vector<uint32_t> expectBulk;
   for (uint32_t p : peerRanks_) {
+    if (!fabricBulk(p)) continue;  // its entries go another way; its overflow share stays unused
     const uint64_t n = layout.overflowEntries(rank_, p);
     if (n > 0) {
       const uint64_t length = n * s.entryBytes;
@@ -751,7 +755,7 @@ void ProxyChannel::runCombine(const Job& job) {
     for (size_t i = 0; i < peerRanks_.size(); ++i) {
       const uint32_t q = peerRanks_[i];
       const uint32_t g = q / D;
-      const uint64_t length = layout_.combineRows(rank_, g) * rowBytes_;
+      const uint64_t length = fabricBulk(q) ? layout_.combineRows(rank_, g) * rowBytes_ : 0;
       if (length > 0) {
         slices[i].push_back(fabric::ScatterSlice{layout_.combineSendStart(g) * rowBytes_,
                                                  layout_.combineRecvStartIn(g, rank_) * rowBytes_, length});

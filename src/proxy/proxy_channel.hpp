@@ -54,6 +54,12 @@ struct ChannelOptions {
   /// Called on the exchanging thread right after a round's first fabric operation was posted (the head scatter of a
   /// dispatch, the row scatter of a combine): for phase traces.
   std::function<void(Phase phase)> onPosted;
+  /// Per peer (indexed by rank): whether the channel moves that peer's bulk, its entries and combine rows, over the
+  /// fabric. Empty: every peer's. A peer marked false, one the caller reaches another way (the GPU proxy backend's
+  /// same-node peers, over NVLink), still gets every control message, so the RoundLayout and the waits are the same:
+  /// its head (without private tokens), the combine immediate (without rows), barriers and notices. The marks must be
+  /// symmetric across ranks (both ends of a pair agree), else a rank waits for bytes that never come.
+  std::vector<bool> bulkOverFabric;
 };
 
 /// Fabric operations this rank issued to one peer (cumulative). Each write carries its immediate.
@@ -196,6 +202,8 @@ class ProxyChannel {
   Config config_;
   ProtocolSizes sizes_;
   std::function<void(Phase)> onPosted_;
+  std::vector<bool> bulkOverFabric_;  // ChannelOptions::bulkOverFabric
+  bool fabricBulk(uint32_t p) const { return bulkOverFabric_.empty() || bulkOverFabric_[p]; }
   int64_t timeoutMs_ = 0;
   uint32_t objectId_ = 0;
   uint32_t rank_ = 0, world_ = 0;
