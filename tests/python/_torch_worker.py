@@ -1,9 +1,10 @@
 """One rank of the torch tests (spawned). Runs every scenario in one process pair and reports per scenario.
 
 Each rank generates every rank's inputs on the CPU from a seed, runs its own dispatch/combine with torch tensors and
-compares with the C++ reference (epcomm._C.reference_*) run on CPU copies. DEVICE = "cuda": the nvlink backend on
-CUDA tensors (test_torch_nvlink.py, 2 GPUs); "cpu": the host backend on CPU tensors (test_torch_host.py: the same
-scenarios but the CUDA graph one, so the torch integration is exercised without a GPU).
+compares with the C++ reference (epcomm._C.reference_*) run on CPU copies. DEVICE = "cuda": a GPU backend (nvlink,
+nvshmem or proxy) on CUDA tensors, rank r on device r % device_count (test_torch_gpu.py: ranks share the GPU of a
+one-GPU machine); "cpu": the host backend on CPU tensors (test_torch_host.py: the same scenarios but the CUDA graph
+one, so the torch integration is exercised without a GPU).
 """
 
 import os
@@ -27,10 +28,12 @@ SCENARIOS: List[Dict[str, Any]] = [
 
 E, K, H, T = 16, 4, 256, 32
 DEVICE = "cuda"  # set by run()
+BACKEND = "nvlink"  # set by run()
 
 
 def _device(torch, rank):
-    return torch.device("cuda", rank) if DEVICE == "cuda" else torch.device("cpu")
+    # The device the library picks for this rank (EPCOMM_LOCAL_RANK unset): rank % device_count.
+    return torch.device("cuda", rank % torch.cuda.device_count()) if DEVICE == "cuda" else torch.device("cpu")
 
 
 def _sync(torch):
@@ -140,7 +143,7 @@ def _make(epcomm, torch, rank, W, sc, group):
     x = sc.get("x", "bf16")
     return epcomm.AllToAll(T, E, K, rank, W, sc.get("dp", 1), H, H * _item(x), H // 128 * 4 if sc.get("scale") else 0,
                            expert_padding=sc.get("padding", 1), layout=sc.get("layout", "batched"),
-                           backend="nvlink" if DEVICE == "cuda" else "host",
+                           backend=BACKEND,
                            group=None if sc.get("torch_bootstrap") else group,
                            bootstrap=epcomm.TorchGroupBootstrap(group) if sc.get("torch_bootstrap") else None)
 
@@ -290,9 +293,10 @@ def _run_graph(epcomm, torch, rank, W, sc, group) -> Dict[str, int]:
     return {"replays": 4}
 
 
-def _progress_log(rank: int):
+def _progress_log(rank: int, label: str, dump_after_s: float):
     """Progress lines on stderr (pytest shows them for a failed test) and, when TORCH_WORKER_LOG_DIR is set, in a file
-    there; a rank still running after 90 s dumps every thread's Python stack to the same places (faulthandler)."""
+    there; a rank still running after `dump_after_s` dumps every thread's Python stack to the same places
+    (faulthandler)."""
     import faulthandler
     import sys
     import time
@@ -301,13 +305,13 @@ def _progress_log(rank: int):
     sinks = [sys.stderr]
     log_dir = os.environ.get("TORCH_WORKER_LOG_DIR")
     if log_dir:
-        sinks.append(open(os.path.join(log_dir, f"torch_worker_rank{rank}.log"), "w", buffering=1))
+        sinks.append(open(os.path.join(log_dir, f"torch_worker_{label}_rank{rank}.log"), "w", buffering=1))
     faulthandler.enable(file=sys.stderr)  # a crash (SIGSEGV, SIGABRT) prints the Python stack before the process dies
-    faulthandler.dump_traceback_later(90, repeat=False, file=sinks[-1])
+    faulthandler.dump_traceback_later(dump_after_s, repeat=False, file=sinks[-1])
 
     def log(msg: str) -> None:
         for f in sinks:
-            print(f"[torch worker rank {rank} +{time.monotonic() - start:.1f}s] {msg}", file=f, flush=True)
+            print(f"[torch worker {label} rank {rank} +{time.monotonic() - start:.1f}s] {msg}", file=f, flush=True)
 
     return log
 
@@ -317,12 +321,16 @@ def scenarios(device: str) -> List[Dict[str, Any]]:
     return [sc for sc in SCENARIOS if device == "cuda" or sc.get("kind") != "graph"]
 
 
-def run(rank: int, world_size: int, port: int, names: Optional[List[str]], results, device: str = "cuda") -> None:
-    """Runs the scenarios of `device` (all when names is None); puts (name, rank, 'ok'|traceback, stats) per
-    scenario."""
-    global DEVICE
+def run(rank: int, world_size: int, port: int, names: Optional[List[str]], results, device: str = "cuda",
+        backend: Optional[str] = None, env: Optional[Dict[str, str]] = None, dump_after_s: float = 90) -> None:
+    """Runs the scenarios of `device` (all when names is None) on `backend` (default: nvlink on "cuda", host on
+    "cpu") with `env` set before epcomm loads; puts (name, rank, 'ok'|traceback, stats) per scenario."""
+    global DEVICE, BACKEND
     DEVICE = device
-    log = _progress_log(rank)
+    BACKEND = backend or ("nvlink" if device == "cuda" else "host")
+    os.environ.update(env or {})
+    provider = (env or {}).get("EPCOMM_FABRIC_PROVIDER")
+    log = _progress_log(rank, f"{BACKEND}-{provider}" if provider else BACKEND, dump_after_s)
     try:
         log("importing torch and epcomm")
         import torch
@@ -331,15 +339,16 @@ def run(rank: int, world_size: int, port: int, names: Optional[List[str]], resul
         import epcomm
 
         if DEVICE == "cuda":
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(_device(torch, rank))
         log("init_process_group(gloo)")
         import datetime
 
-        # Bounded collectives: a rank that failed a scenario must not leave the other waiting for 30 minutes.
+        # Bounded collectives: a rank that failed a scenario must not leave the other waiting for 30 minutes (but
+        # ranks taking turns on one GPU, each compiling its own graphs, may reach a barrier minutes apart).
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=60))
+                                timeout=datetime.timedelta(seconds=180))
         group = dist.group.WORLD
-        log("process group ready")
+        log(f"process group ready; backend {BACKEND}" + (f" on {_device(torch, rank)}" if DEVICE == "cuda" else ""))
     except BaseException:  # noqa: BLE001
         results.put(("<setup>", rank, traceback.format_exc(), {}))
         return
@@ -362,16 +371,20 @@ def run(rank: int, world_size: int, port: int, names: Optional[List[str]], resul
     os._exit(0)  # skip interpreter teardown of CUDA/NCCL state in the child
 
 
-def run_pair(device: str, world: int, port: int, deadline_s: float = 300) -> Dict[str, list]:
-    """Runs every scenario of `device` once in `world` spawned processes; maps name -> [(rank, status, stats)].
-    A rank that dies (crash, abort) ends the wait at once with its exit code under the name "<setup>"."""
+def run_pair(device: str, world: int, port: int, deadline_s: float = 300, backend: Optional[str] = None,
+             env: Optional[Dict[str, str]] = None) -> Dict[str, list]:
+    """Runs every scenario of `device` once in `world` spawned processes on `backend` with `env` (see run()); maps
+    name -> [(rank, status, stats)]. A rank that dies (crash, abort) ends the wait at once with its exit code under
+    the name "<setup>"."""
     import multiprocessing as mp
     import queue
     import time
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=run, args=(r, world, port, None, results, device), daemon=True) for r in range(world)]
+    dump_after_s = max(90.0, deadline_s - 30)  # the stacks of a hung rank, before the deadline gives up on it
+    procs = [ctx.Process(target=run, args=(r, world, port, None, results, device, backend, env, dump_after_s),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     count = len(scenarios(device))

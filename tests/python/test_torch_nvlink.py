@@ -1,7 +1,7 @@
-"""Device tests: the nvlink backend from torch on 2 GPUs (every dtype pair, DP groups, bound_m, send/recv split,
-torch.compile(fullgraph=True) around a small MoE layer, CUDA-graph capture and replay, the docs example).
+"""The README's PyTorch example on 2 GPUs (nvlink; it runs NCCL, one GPU per rank), and the torch custom ops'
+schemas. The scenarios of every GPU backend, on one GPU or two, are in test_torch_gpu.py.
 
-Skips (with the reason) without torch, with fewer than 2 GPUs, or without the nvlink backend in this build.
+Skips (with the reason) without torch, and the example with fewer than 2 GPUs or without the nvlink backend.
 """
 
 import multiprocessing as mp
@@ -14,31 +14,15 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 import epcomm  # noqa: E402
 
 import _mp_util  # noqa: E402
-import _torch_worker  # noqa: E402
 from conftest import free_port  # noqa: E402
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2,
-                       reason=f"needs 2 CUDA GPUs, found {torch.cuda.device_count()}"),
-    pytest.mark.skipif("nvlink" not in epcomm.built_backends(),
-                       reason=f"the nvlink backend is not in this build (built: {epcomm.built_backends()})"),
-]
 
 WORLD = 2
 
 
-@pytest.fixture(scope="module")
-def scenario_results():
-    """Runs every scenario once in one pair of processes; maps name -> list of per-rank (status, stats)."""
-    return _torch_worker.run_pair("cuda", WORLD, free_port())
-
-
-@pytest.mark.parametrize("name", [s["name"] for s in _torch_worker.scenarios("cuda")])
-def test_torch_nvlink(name, scenario_results):
-    _torch_worker.check_scenario(scenario_results, name, WORLD)
-
-
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2 CUDA GPUs, found {torch.cuda.device_count()}")
+@pytest.mark.skipif("nvlink" not in epcomm.built_backends(),
+                    reason=f"the nvlink backend is not in this build (built: {epcomm.built_backends()})")
 def test_torch_docs_example():
     """The PyTorch example of the README (docs/python.md carries the same one), verbatim, on 2 GPUs."""
     root = pathlib.Path(__file__).resolve().parents[2]
