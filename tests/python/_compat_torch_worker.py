@@ -1,6 +1,7 @@
 """Rank body of test_compat_torch.py: pplx-kernels' and DeepEP's calling patterns with torch tensors, on the host
-backend with CPU tensors (no GPU) or on the GPU backends ("auto") with CUDA tensors, ranks sharing the GPUs there
-are. One process group (gloo) per run; every scenario reports (name, rank, 'ok' | traceback, stats)."""
+backend with CPU tensors (no GPU) or on a GPU backend with CUDA tensors, rank r on GPU r % device_count (ranks share
+the GPU of a one-GPU machine). One process group (gloo) per run; every scenario reports (name, rank, 'ok' |
+traceback, stats)."""
 
 import traceback
 
@@ -144,15 +145,18 @@ SCENARIOS = [
 ]
 
 
-def run(rank, world, port, device, results):
+def run(rank, world, port, device, results, backend=None, env=None, dump_after_s=400):
+    """One rank: every scenario on `backend` (default "host" for device "cpu", "auto" for "cuda"), with `env` set
+    before epcomm loads."""
     import datetime
     import faulthandler
     import os
     import sys
 
-    faulthandler.dump_traceback_later(400, repeat=False, file=sys.stderr)
+    faulthandler.dump_traceback_later(dump_after_s, repeat=False, file=sys.stderr)
     try:
         os.environ.setdefault("EPCOMM_FABRIC_PROVIDER", "tcp")
+        os.environ.update(env or {})
         import torch
         import torch.distributed as dist
 
@@ -161,7 +165,7 @@ def run(rank, world, port, device, results):
         if device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
             device = f"cuda:{torch.cuda.current_device()}"
-        backend = "host" if device == "cpu" else "auto"
+        backend = backend or ("host" if device == "cpu" else "auto")
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
     except BaseException:  # noqa: BLE001
@@ -179,3 +183,6 @@ def run(rank, world, port, device, results):
         except BaseException:  # noqa: BLE001
             results.put((sc["name"], rank, traceback.format_exc(), {}))
     dist.destroy_process_group()
+    results.close()
+    results.join_thread()
+    os._exit(0)  # skip interpreter teardown of the CUDA state (an NVSHMEM runtime lives until the process ends)
