@@ -25,8 +25,9 @@ const std::vector<EnvVar>& envVars() {
       {"EPCOMM_PRIVATE_TOKENS", "-1", "host/proxy backend: tokens in each sender's private area (-1: derived)"},
       {"EPCOMM_PROXY_CPU", "-1", "core to pin the progress/proxy thread to (-1: not pinned)"},
       {"EPCOMM_PROXY_LOCAL_SIZE", "0",
-       "proxy backend: ranks per node, whose peers would go over NVLink (0: from the bootstrap's host names; 1: every "
-       "peer over the fabric, which is all this build does: a larger value is logged and falls back to the fabric)"},
+       "proxy backend: ranks per node, grouped by rank (rank / size is the node); a node's peers exchange entries and "
+       "combine rows GPU to GPU over NVLink (CUDA IPC), their heads and immediates over the fabric (0: counted from "
+       "the bootstrap's host names; 1: every peer over the fabric)"},
       {"EPCOMM_PROXY_TRACE", "0",
        "proxy backend diagnostics: 1 stamps every round's phases (kernel pack, proxy post, wire, unpack) and prints "
        "medians at destruction"},

@@ -16,7 +16,9 @@
 #include "backends/backends.hpp"
 #include "backends/proxy/proxy_args.hpp"
 #include "backends/proxy/proxy_kernels.hpp"
+#include "backends/proxy/proxy_local.hpp"
 #include "backends/proxy/proxy_trace.hpp"
+#include "core/agreement.hpp"
 #include "core/call_order.hpp"
 #include "core/cuda_check.hpp"
 #include "core/env.hpp"
@@ -56,6 +58,10 @@ const char* kernelPhaseName(int32_t phase) {
       return "combine-recv (finding each token's rows)";
     case kPhaseCombineBadIndex:
       return "combine-recv (expert index check)";
+    case kPhaseLocalDispatch:
+      return "dispatch-recv (waiting for a same-node sender's entries over NVLink)";
+    case kPhaseLocalCombine:
+      return "combine-recv (waiting for a same-node owner's rows over NVLink)";
     default:
       return "unknown";
   }
@@ -74,9 +80,12 @@ struct ProxyAllToAll::Impl {
   KernelContext context() const;
 
   Config config;
+  Bootstrap* boot = nullptr;  // for the collective teardown of the NVLink regions (outlives the object)
   int device = -1;
   uint32_t blocks = 1;
-  int localSize = 1;
+  uint32_t localSize = 1;
+  LocalGeometry lg{};  // same-node peers over NVLink (lg.size 0: none)
+  LocalPeers local;
   std::string path;
   std::unique_ptr<proxy::ProxyChannel> channel;
   proxy::ProtocolSizes sizes;
@@ -105,7 +114,7 @@ struct ProxyAllToAll::Impl {
 };
 
 ProxyAllToAll::Impl::Impl(const Config& c, Bootstrap& bootstrap, const proxy::ChannelOptions& options)
-    : config(c), order("proxy", c.rank, false) {
+    : config(c), boot(&bootstrap), order("proxy", c.rank, false) {
   config.validate();
   EPCOMM_CHECK(static_cast<int>(c.worldSize) == bootstrap.worldSize() && static_cast<int>(c.rank) == bootstrap.rank(),
                kInvalidArgument,
@@ -118,34 +127,30 @@ ProxyAllToAll::Impl::Impl(const Config& c, Bootstrap& bootstrap, const proxy::Ch
     EPCOMM_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     blocks = static_cast<uint32_t>(std::max(1, sms));
 
-    // Ranks per node: peers on this node could be reached over NVLink instead of the fabric.
+    // Ranks per node: the node's peers (ranks rank / localSize * localSize, ...) get their entries and combine rows
+    // over NVLink, GPU to GPU; the channel carries only their heads and immediates (ChannelOptions::bulkOverFabric).
     constexpr size_t kHost = 64;
-    std::vector<char> hosts(kHost * c.worldSize, 0);
+    std::vector<char> names(kHost * c.worldSize, 0);
     char mine[kHost] = {0};
     gethostname(mine, kHost - 1);
-    bootstrap.allGather(mine, hosts.data(), kHost);
-    int sameHost = 0;
-    for (uint32_t r = 0; r < c.worldSize; ++r) sameHost += std::strncmp(hosts.data() + r * kHost, mine, kHost) == 0;
-    const int64_t wanted = envInt("EPCOMM_PROXY_LOCAL_SIZE");
-    EPCOMM_CHECK(wanted >= 0 && (wanted == 0 || c.worldSize % wanted == 0), kInvalidConfig,
-                 "EPCOMM_PROXY_LOCAL_SIZE = " << wanted << " must be 0 (from the host names) or divide worldSize "
-                                              << c.worldSize);
-    localSize = wanted > 0 ? static_cast<int>(wanted) : sameHost;
-    if (localSize > 1) {
-      // NOTE: the NVLink path for same-node peers (CUDA IPC of the receive buffers, as the nvlink backend maps them)
-      // is not built yet: every peer goes over the fabric. Correct, but slower than it could be on one node.
-      if (wanted > 1) {
-        EPCOMM_LOG(kWarn, "proxy backend: EPCOMM_PROXY_LOCAL_SIZE = "
-                              << wanted << " asks for NVLink between same-node peers, which this build does not have; "
-                              << "every peer goes over the fabric");
-      } else {
-        EPCOMM_LOG(kInfo, "proxy backend: " << localSize
-                                            << " ranks share this node; same-node peers go over the fabric as well "
-                                            << "(no NVLink path in this build; EPCOMM_PROXY_LOCAL_SIZE=1 says so)");
-      }
-    }
+    bootstrap.allGather(mine, names.data(), kHost);
+    std::vector<std::string> hosts(c.worldSize);
+    for (uint32_t r = 0; r < c.worldSize; ++r)
+      hosts[r].assign(names.data() + r * kHost, strnlen(names.data() + r * kHost, kHost));
+    std::string note;
+    localSize = chooseLocalSize(envInt("EPCOMM_PROXY_LOCAL_SIZE"), hosts, &note);
+    // Both ends of a pair must take the same path (a rank could have another EPCOMM_PROXY_LOCAL_SIZE).
+    checkSettingsAgree(
+        bootstrap, "proxy backend",
+        {{"ranks per node (EPCOMM_PROXY_LOCAL_SIZE, or counted from the host names)", std::to_string(localSize)}});
+    if (!note.empty()) EPCOMM_LOG(kInfo, "proxy backend: " << note);
 
     proxy::ChannelOptions opts = options;
+    if (localSize > 1) {
+      const uint32_t first = c.rank / localSize * localSize;
+      opts.bulkOverFabric.assign(c.worldSize, true);
+      for (uint32_t r = first; r < first + localSize; ++r) opts.bulkOverFabric[r] = false;
+    }
     opts.externalDriver = true;
     opts.fixedCombineSend = true;
     opts.onBuffer = [this](uint8_t* data, uint64_t bytes) {
@@ -163,7 +168,8 @@ ProxyAllToAll::Impl::Impl(const Config& c, Bootstrap& bootstrap, const proxy::Ch
     channel = std::make_unique<proxy::ProxyChannel>(config, bootstrap, opts);
     sizes = channel->sizes();
     tg = tableGeometry(sizes);
-    sg = scratchGeometry(sizes, config.maxNumTokens);
+    lg = localGeometry(sizes, localSize, c.rank);
+    sg = scratchGeometry(sizes, config.maxNumTokens, lg.size);
     EPCOMM_CHECK(sizes.combineSendRows < (1ull << 31) && sizes.combineRecvRows < (1ull << 31) &&
                      config.totalExpertRows() < (1ull << 31),
                  kInvalidConfig, "proxy backend: row counts of " << config.toString() << " exceed 32 bits");
@@ -221,6 +227,18 @@ ProxyAllToAll::Impl::Impl(const Config& c, Bootstrap& bootstrap, const proxy::Ch
            channel->providerName() +
            (gpuDirect ? " can register GPU memory (FI_HMEM); the GPU-direct path is not built, docs/proxy.md)"
                       : " registers no GPU memory)");
+    if (lg.size > 0) {
+      path += "; ranks " + std::to_string(lg.first) + " to " + std::to_string(lg.first + lg.size - 1) +
+              " (this node) exchange entries and combine rows over NVLink (CUDA IPC), only heads and immediates over "
+              "the fabric";
+    }
+
+    // The last collective step of the setup: a failure anywhere fails every rank here together.
+    if (lg.size > 0) {
+      local.open(lg, c.rank, device, bootstrap);
+      EPCOMM_CHECK_CUDA(cudaMemcpy(scratch + sg.offLocal, local.regions().data(), sizeof(uint8_t*) * lg.size,
+                                   cudaMemcpyHostToDevice));
+    }
 
     if (tracing) {
       // Clock check for the phases that cross clocks: %globaltimer read between two host stamps, the shortest of
@@ -275,6 +293,8 @@ void ProxyAllToAll::Impl::release() {
   stop = true;
   if (channel) channel->requestStop();
   if (thread.joinable()) thread.join();
+  // After the device synchronisation above: no kernel of this rank stores into a node peer's region any more.
+  local.close(*boot);
   if (trace != nullptr && roundsServed.load() > 0) {
     std::fputs(traceSummary(trace, roundsServed.load(), static_cast<int>(config.rank), clockLo, clockHi).c_str(),
                stderr);
@@ -324,7 +344,7 @@ void ProxyAllToAll::Impl::proxyLoop() {
       if (!waitDevice(&mailbox->dispatchReady, round + 1)) return;
       if (trace != nullptr) trace[round % kTraceRounds].proxySeen = hostNowNs();
       channel->exchangeDispatch();
-      writeTables(channel->layout(), tg, config.rank, tables);
+      writeTables(channel->layout(), tg, config.rank, lg.size > 0, tables);
       if (trace != nullptr) trace[round % kTraceRounds].proxyArrived = hostNowNs();
       storeRelease(&mailbox->dispatchArrived, round + 1);
       if (!waitDevice(&mailbox->combineReady, round + 1)) return;
@@ -387,6 +407,13 @@ void ProxyAllToAll::Impl::checkUsable() {
             << ", which that token was not dispatched to (phase " << kernelPhaseName(code)
             << "): combine must use the indices and boundM that were dispatched";
         break;
+      case kPhaseLocalDispatch:
+      case kPhaseLocalCombine:
+        failedCode = ErrorCode::kTimeout;
+        oss << "timed out after " << 2 * channel->timeoutMs() << " ms in phase " << kernelPhaseName(code)
+            << " waiting for rank " << r->peer << " (round " << r->b << ", its flag says " << r->a
+            << "; the proxy thread reported no error)";
+        break;
       case kPhaseCorruptEntry:
         failedCode = ErrorCode::kInternal;
         oss << "corrupt receive buffer: sender rank " << r->peer << ", entry or expert " << r->a << ", value " << r->b
@@ -413,6 +440,9 @@ KernelContext ProxyAllToAll::Impl::context() const {
   ctx.st.trace = traceDev;
   ctx.st.timeoutNs = static_cast<uint64_t>(channel->timeoutMs()) * 1000000ull;
   ctx.st.sg = sg;
+  ctx.st.lg = lg;
+  ctx.st.localMine = local.mine();
+  ctx.st.local = lg.size > 0 ? reinterpret_cast<uint8_t* const*>(scratch + sg.offLocal) : nullptr;
   ctx.ch = view;
   ctx.maxNumTokens = config.maxNumTokens;
   ctx.hidden = config.hiddenDim;
@@ -470,7 +500,7 @@ const Config& ProxyAllToAll::config() const { return impl_->config; }
 
 uint64_t ProxyAllToAll::bufferBytes() const {
   const Impl& m = *impl_;
-  return m.channel->bufferBytes() + sizeof(Mailbox) + 4ull * m.tg.words + m.sg.bytes +
+  return m.channel->bufferBytes() + sizeof(Mailbox) + 4ull * m.tg.words + m.sg.bytes + m.lg.bytes +
          (m.trace != nullptr ? sizeof(TraceRound) * kTraceRounds : 0);
 }
 

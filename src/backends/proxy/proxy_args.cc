@@ -61,7 +61,8 @@ CombineRecvArgs combineRecvArgs(const KernelContext& ctx, const CombineArgs& a, 
   return k;
 }
 
-void writeTables(const proxy::RoundLayout& lay, const TableGeometry& tg, uint32_t me, uint32_t* t) {
+void writeTables(const proxy::RoundLayout& lay, const TableGeometry& tg, uint32_t me, bool ownRowsInRegion,
+                 uint32_t* t) {
   const uint32_t W = tg.W, L = tg.L, G = tg.G, D = tg.D, E = tg.E, g = me / D;
   uint32_t at = 0;
   for (uint32_t s = 0; s < W; ++s) {
@@ -91,9 +92,12 @@ void writeTables(const proxy::RoundLayout& lay, const TableGeometry& tg, uint32_
     }
   }
   t[tg.offSendCum + G * L] = at;
+  // Own rows: in the send buffer at the group's piece, or (NVLink path) in this rank's region where a peer's would be.
   for (uint32_t p = 0; p < W; ++p) {
-    t[tg.offRecvStart + p] = static_cast<uint32_t>(p == me ? lay.combineSendStart(g) : lay.combineRecvStart(p));
+    t[tg.offRecvStart + p] =
+        static_cast<uint32_t>(p == me && !ownRowsInRegion ? lay.combineSendStart(g) : lay.combineRecvStart(p));
   }
+  for (uint32_t gg = 0; gg < G; ++gg) t[tg.offSendDest + gg] = static_cast<uint32_t>(lay.combineRecvStartIn(gg, me));
   for (uint32_t e = 0; e < E; ++e) {
     uint64_t base = lay.combineExpertStart(e);
     for (uint32_t d = 0; d < D; ++d) {

@@ -28,8 +28,11 @@ CombineSendArgs combineSendArgs(const KernelContext& ctx, const CombineArgs& a, 
 CombineRecvArgs combineRecvArgs(const KernelContext& ctx, const CombineArgs& a, const CheckedCombine& c, int32_t yType);
 
 /// Writes the tables of the round described by `layout` (this rank's view) into `tables` (tg.words u32, see
-/// TableGeometry). Throws kInternal when the layout's combine offsets disagree with the pieces the kernels pack.
-void writeTables(const proxy::RoundLayout& layout, const TableGeometry& tg, uint32_t rank, uint32_t* tables);
+/// TableGeometry). `ownRowsInRegion`: the NVLink path is on, so this rank's own combine rows are in its region (at
+/// the combine receive offsets), not in its send buffer. Throws kInternal when the layout's combine offsets disagree
+/// with the pieces the kernels pack.
+void writeTables(const proxy::RoundLayout& layout, const TableGeometry& tg, uint32_t rank, bool ownRowsInRegion,
+                 uint32_t* tables);
 
 }  // namespace gpuproxy
 }  // namespace epcomm

@@ -13,10 +13,13 @@ namespace {
 // ---- Combine send ------------------------------------------------------------------------------------------------
 
 // Many blocks: row i of the combine send buffer (piece (g, le) = the rows of group g's senders for local expert le,
-// pieces in (g, le) order) is a copy of expertY's row of that expert; the last block signals combineReady.
+// pieces in (g, le) order) is a copy of expertY's row of that expert. Group g's rows go to the send buffer when a rank
+// of g is reached over the fabric, and into the region of every node rank of g (st.lg), at sendDest[g], where the
+// channel would have written them. The last block raises this rank's combine flag in every node rank's region, then
+// signals combineReady.
 __global__ void __launch_bounds__(kCopyThreads) combineSendKernel(const CombineSendArgs a) {
   const DeviceState& st = a.st;
-  extern __shared__ uint32_t smem[];  // sendCum[G * L + 1], srcStart[G * L]
+  extern __shared__ uint32_t smem[];  // sendCum[G * L + 1], srcStart[G * L], sendDest[G]
   if (blockHalted(st)) return;
   const proxy::ProtocolSizes& s = a.sizes;
   const TableGeometry& tg = a.tg;
@@ -25,6 +28,7 @@ __global__ void __launch_bounds__(kCopyThreads) combineSendKernel(const CombineS
   if (blockIdx.x == 0 && threadIdx.x == 0) stamp(st, round, &TraceRound::combStart);
   uint32_t* sendCum = smem;
   uint32_t* srcStart = smem + pieces + 1;
+  uint32_t* sendDest = srcStart + pieces;
   const uint32_t* tables = deviceTables(st);
   for (uint32_t i = threadIdx.x; i <= pieces; i += blockDim.x) {
     sendCum[i] = tables[tg.offSendCum + i];
@@ -33,7 +37,10 @@ __global__ void __launch_bounds__(kCopyThreads) combineSendKernel(const CombineS
       srcStart[i] = tables[tg.offOutputRowBase + le] + tables[tg.offSlotOffset + le * (W + 1) + g * D];
     }
   }
+  for (uint32_t g = threadIdx.x; g < tg.G; g += blockDim.x) sendDest[g] = tables[tg.offSendDest + g];
   __syncthreads();
+  const LocalGeometry& lg = st.lg;
+  const uint32_t me = s.rank;
   const bool batched = s.layout == Layout::kBatched;
   const uint64_t R = s.batchedRowsPerExpert;
   const uint64_t rowBytes = static_cast<uint64_t>(a.hidden) * a.itemBytes;
@@ -49,19 +56,31 @@ __global__ void __launch_bounds__(kCopyThreads) combineSendKernel(const CombineS
                             ? static_cast<int64_t>(r / R) * a.yExpertStride + static_cast<int64_t>(r % R) * a.yRowStride
                             : static_cast<int64_t>(r) * a.yRowStride;
     const uint8_t* src = a.y + off * a.itemBytes;
-    uint8_t* dst = a.ch.combineSend + static_cast<uint64_t>(i) * rowBytes;
+    // Group g's ranks [g D, g D + D): those on this node get the row in their region, the send buffer serves the rest.
+    const uint32_t g = piece / L;
+    const uint32_t nodeBegin = max(g * D, lg.first), nodeEnd = min(g * D + D, lg.first + lg.size);
+    const bool fabric = lg.size == 0 || nodeBegin != g * D || nodeEnd != g * D + D;
+    uint8_t* dst = fabric ? a.ch.combineSend + static_cast<uint64_t>(i) * rowBytes : nullptr;
+    const uint64_t localOff = lg.offRows + (static_cast<uint64_t>(sendDest[g]) + i - sendCum[g * L]) * rowBytes;
     if (vec) {
       for (uint64_t b = lane * 16ull; b < rowBytes; b += 32 * 16) {
-        st16(dst + b, *reinterpret_cast<const int4*>(src + b));
+        const int4 v = *reinterpret_cast<const int4*>(src + b);
+        if (dst != nullptr) st16(dst + b, v);
+        for (uint32_t q = nodeBegin; q < nodeEnd; ++q) st16(localRegion(st, q) + localOff + b, v);
       }
     } else {
       for (uint64_t b = lane * 2ull; b < rowBytes; b += 32 * 2) {
-        *reinterpret_cast<uint16_t*>(dst + b) = *reinterpret_cast<const uint16_t*>(src + b);
+        const uint16_t v = *reinterpret_cast<const uint16_t*>(src + b);
+        if (dst != nullptr) *reinterpret_cast<uint16_t*>(dst + b) = v;
+        for (uint32_t q = nodeBegin; q < nodeEnd; ++q) {
+          *reinterpret_cast<uint16_t*>(localRegion(st, q) + localOff + b) = v;
+        }
       }
     }
   }
   lastBlock(st, kSeqCombineSend, [&] {
     *seqWord(st, kSeqCombineSend) = round + 1;
+    raiseLocalFlags(st, me, st.lg.offCombineFlag, round + 1);
     *reinterpret_cast<volatile int32_t*>(&st.mailbox->combineType) = a.yType;
     stamp(st, round, &TraceRound::combReady);
     fenceAcqRelSys();
@@ -116,11 +135,11 @@ __device__ __forceinline__ void unpack16(const int4 v, float* f) {
   }
 }
 
-// Many blocks: waits for the proxy's arrival word; then for each token t < bound (one block at a time) and each
-// element, out = (accumulate ? out : 0) + sum_k w[t,k] * y(t,k) in fp32, k ascending, each product and sum rounded
-// separately (no FMA: the reference's operations), rounded once to the output type. y(t,k) is the row of (t, k) in
-// its owner's message: rowBase[d][e] (the owner's rows of e from the group's senders before d) + the row the
-// dispatch gave (t, k) among its sender's rows of e (the route kernel's pos).
+// Many blocks: waits for the proxy's arrival word (and the node owners' flags); then for each token t < bound (one
+// block at a time) and each element, out = (accumulate ? out : 0) + sum_k w[t,k] * y(t,k) in fp32, k ascending, each
+// product and sum rounded separately (no FMA: the reference's operations), rounded once to the output type. y(t,k) is
+// the row of (t, k) in its owner's message: rowBase[d][e] (the owner's rows of e from the group's senders before d) +
+// the row the dispatch gave (t, k) among its sender's rows of e (the route kernel's pos).
 template <int kY, int kOut>
 __global__ void __launch_bounds__(kSumThreads) combineRecvKernel(const CombineRecvArgs a) {
   const DeviceState& st = a.st;
@@ -181,7 +200,10 @@ __global__ void __launch_bounds__(kSumThreads) combineRecvKernel(const CombineRe
         } else {
           const uint32_t owner = static_cast<uint32_t>(e) / L;
           const uint64_t row = recvStart[owner] + rowBase[(t % D) * E + e] + static_cast<uint32_t>(v);
-          rowPtr = (owner == me ? a.ch.combineSend : a.ch.combineRecv) + row * rowBytes;
+          // A node owner's rows (this rank's own too, when the NVLink path is on) are in this rank's region.
+          rowPtr =
+              (st.lg.has(owner) ? st.localMine + st.lg.offRows : (owner == me ? a.ch.combineSend : a.ch.combineRecv)) +
+              row * rowBytes;
         }
       }
       termRow[k] = rowPtr;

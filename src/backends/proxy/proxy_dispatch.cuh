@@ -144,7 +144,8 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRouteKernel(const Dispat
 }
 
 // Many blocks: one warp per own token packs its entries ([payload][scales][u32 token][u16 n][u16 le[n]]) into the
-// destinations' send slots; the last block signals dispatchReady.
+// destinations' send slots, or, for a node peer (st.lg), into that peer's region (this rank's sender area, by entry
+// index); the last block raises this rank's dispatch flag in every node rank's region, then signals dispatchReady.
 __global__ void __launch_bounds__(kCopyThreads) dispatchPackKernel(const DispatchSendArgs a) {
   const DeviceState& st = a.st;
   if (blockHalted(st)) return;
@@ -165,7 +166,10 @@ __global__ void __launch_bounds__(kCopyThreads) dispatchPackKernel(const Dispatc
       const uint32_t ent = entryOf[t * K + k];
       if (ent == ~0u) continue;  // warp-uniform
       const uint32_t owner = static_cast<uint32_t>(experts[t * K + k]) / L;
-      uint8_t* entry = a.ch.send + s.sendSlotOffset(owner) + s.headBytes + static_cast<uint64_t>(ent) * s.entryBytes;
+      uint8_t* entry =
+          (st.lg.has(owner) ? localRegion(st, owner) + st.lg.offEntries + (me - st.lg.first) * st.lg.senderBytes
+                            : a.ch.send + s.sendSlotOffset(owner) + s.headBytes) +
+          static_cast<uint64_t>(ent) * s.entryBytes;
       for (uint64_t off = lane * 16ull; off < s.payloadBytes; off += 32 * 16) {
         st16(entry + off, *reinterpret_cast<const int4*>(xRow + off));
       }
@@ -198,6 +202,7 @@ __global__ void __launch_bounds__(kCopyThreads) dispatchPackKernel(const Dispatc
   }
   lastBlock(st, kSeqDispatchSend, [&] {
     *seqWord(st, kSeqDispatchSend) = round + 1;
+    raiseLocalFlags(st, me, st.lg.offDispatchFlag, round + 1);
     stamp(st, round, &TraceRound::packReady);
     stReleaseSys(&st.mailbox->dispatchReady, round + 1);
   });
@@ -208,6 +213,11 @@ __global__ void __launch_bounds__(kCopyThreads) dispatchPackKernel(const Dispatc
 __device__ __forceinline__ const uint8_t* entryAt(const DispatchRecvArgs& a, uint32_t src, uint32_t j,
                                                   uint32_t overflowStart) {
   const proxy::ProtocolSizes& s = a.sizes;
+  const LocalGeometry& lg = a.st.lg;
+  // A node peer's entries (this rank's own too, when the NVLink path is on) are in this rank's region.
+  if (lg.has(src)) {
+    return a.st.localMine + lg.offEntries + (src - lg.first) * lg.senderBytes + static_cast<uint64_t>(j) * s.entryBytes;
+  }
   // This rank's own entries are read in place from its send slot (no loopback), as the host backend does.
   if (src == s.rank)
     return a.ch.send + s.sendSlotOffset(s.rank) + s.headBytes + static_cast<uint64_t>(j) * s.entryBytes;
@@ -224,7 +234,8 @@ __device__ __forceinline__ uint32_t* rowsOf(const DispatchRecvArgs& a, uint32_t 
          (static_cast<uint64_t>(src) * a.sizes.maxSendTokens + j) * a.sizes.maxLocalPerEntry;
 }
 
-// One block per sender src (kRankThreads): waits for the proxy's arrival word, reads src's entries' metadata, and
+// One block per sender src (kRankThreads): waits for the proxy's arrival word (and, through block 0, for the node
+// senders' flags), reads src's entries' metadata, and
 // gives each (entry, local expert) its output row: rows of local expert le are ordered by (sender, token), and an
 // entry's rank among src's entries naming le is its rank among src's tokens of that expert. Block 0 also writes
 // outExpertNumTokens. Counts that disagree with src's head are recorded as a corrupt receive buffer.
@@ -321,7 +332,8 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRankKernel(const Dispatc
   lastBlock(st, kSeqDispatchRecv, [&] { *seqWord(st, kSeqDispatchRecv) = round + 1; });
 }
 
-// Many blocks: one warp per received entry copies its payload and scales from host memory into each of its rows.
+// Many blocks: one warp per received entry copies its payload and scales from host memory (fabric senders) or this
+// rank's region (node senders) into each of its rows.
 __global__ void __launch_bounds__(kCopyThreads) dispatchCopyKernel(const DispatchRecvArgs a) {
   const DeviceState& st = a.st;
   extern __shared__ uint32_t entryStart[];  // [W + 1]

@@ -7,6 +7,10 @@
 // semantics. The proxy thread polls that word, runs the exchange over the TransferEngine, writes the round's tables
 // and then `dispatchArrived` / `combineArrived` (release); the receive kernel polls it with ld.acquire.sys. All
 // counters are monotone round numbers kept by the device (CUDA graphs replay correctly).
+//
+// Same-node peers (LocalGeometry, EPCOMM_PROXY_LOCAL_SIZE > 1): the heads and immediates still go through the
+// channel, but entries and combine rows go GPU to GPU: the send kernels store them into the node peers' device
+// regions (CUDA IPC) and raise a flag there; the receive kernels wait for those flags as well as for the proxy.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +31,8 @@ enum ErrorPhase : int32_t {
   kPhaseCorruptEntry = 4,     ///< dispatch-recv: an entry names more experts than it may, or the counts disagree
   kPhaseCombineIndex = 5,     ///< combine-recv: an index differs from the one dispatched (or beyond its boundM)
   kPhaseCombineBadIndex = 6,  ///< combine-recv: an expert index outside [-1, E)
+  kPhaseLocalDispatch = 7,    ///< dispatch-recv: a same-node sender's entries never arrived over NVLink
+  kPhaseLocalCombine = 8,     ///< combine-recv: a same-node owner's rows never arrived over NVLink
 };
 
 /// Written once by the first kernel that fails (host-mapped, read by the next API call). `code` is an ErrorPhase;
@@ -76,10 +82,11 @@ struct Mailbox {
 ///   sendCum[G * L + 1]    combine send buffer: first row of piece (g, le) (rows of group g's senders for le)
 ///   recvStart[W]          combine: first row of owner p's message (p == rank: in the send buffer, at group g's rows)
 ///   rowBase[D][E]         combine: row of the first token of group sender d for expert e in owner e / L's message
+///   sendDest[G]           combine: where this rank's message lands in a combine receive buffer of group g (rows)
 struct TableGeometry {
   uint32_t W, L, G, D, E;
   uint32_t offEntries, offEntryStart, offOverflowStart, offSlotOffset, offOutputRowBase, offLocalRows, offSendCum,
-      offRecvStart, offRowBase, words;
+      offRecvStart, offRowBase, offSendDest, words;
 };
 inline TableGeometry tableGeometry(const proxy::ProtocolSizes& s) {
   TableGeometry t{};
@@ -107,8 +114,51 @@ inline TableGeometry tableGeometry(const proxy::ProtocolSizes& s) {
   at += t.W;
   t.offRowBase = at;
   at += t.D * t.E;
+  t.offSendDest = at;
+  at += t.G;
   t.words = at;
   return t;
+}
+
+/// Same-node peers over NVLink (EPCOMM_PROXY_LOCAL_SIZE > 1; ranks are grouped by node, rank / size). Every rank of a
+/// node allocates one region of device memory (cudaMalloc), exports it with a CUDA IPC handle over the bootstrap and
+/// maps its node peers' regions (no privileges, as the nvlink backend). Senders and owners of the node store into the
+/// receiver's region and then raise their flag there (st.release.sys after the last block's system fence); the
+/// receiver's kernels wait for those flags as well as for the proxy's arrival word. Local index i = rank - first. The
+/// channel moves no bulk for these peers (ChannelOptions::bulkOverFabric) but still their heads and immediates, so the
+/// RoundLayout, the tables and the proxy's waits are those of the fabric path. A rank is its own node peer: its own
+/// entries and rows go through its own region too.
+struct LocalGeometry {
+  uint32_t size;             ///< ranks of this node; 0: no NVLink path (every peer over the fabric)
+  uint32_t first;            ///< the node's first rank
+  uint64_t offDispatchFlag;  ///< u64 [size]: rounds whose entries node sender i stored here (monotone)
+  uint64_t offCombineFlag;   ///< u64 [size]: rounds whose combine rows node owner i stored here (monotone)
+  uint64_t offEntries;       ///< [size][maxSendTokens entries]: node sender i's entries for this rank, by entry index
+  uint64_t senderBytes;      ///< maxSendTokens * entryBytes
+  uint64_t offRows;          ///< [combineRecvRows][combineRowBytesMax]: node owners' rows, at the channel's offsets
+  uint64_t bytes;
+  /// Whether rank r is on this node (and the NVLink path is on).
+  EPCOMM_HD bool has(uint32_t r) const { return r - first < size; }
+};
+/// `size` ranks per node (<= 1: no NVLink path); `rank`: this rank.
+inline LocalGeometry localGeometry(const proxy::ProtocolSizes& s, uint32_t size, uint32_t rank) {
+  auto align = [](uint64_t x) { return (x + 255) & ~uint64_t{255}; };
+  LocalGeometry g{};
+  if (size <= 1) return g;
+  g.size = size;
+  g.first = rank / size * size;
+  uint64_t at = 0;
+  g.offDispatchFlag = at;
+  at += 8ull * size;
+  g.offCombineFlag = at;
+  at = align(at + 8ull * size);
+  g.offEntries = at;
+  g.senderBytes = static_cast<uint64_t>(s.maxSendTokens) * s.entryBytes;
+  at = align(at + size * g.senderBytes);
+  g.offRows = at;
+  at = align(at + s.combineRecvRows * s.combineRowBytesMax);
+  g.bytes = at;
+  return g;
 }
 
 /// Warps of the single-block ranking kernels (route, rank): each takes a contiguous chunk of the tokens (entries).
@@ -131,9 +181,10 @@ struct ScratchGeometry {
   uint64_t offRowOf;     ///< u32 [W][maxSend][maxLocalPerEntry]: output row of each received entry's experts
   uint64_t offTables;    ///< u32 [TableGeometry::words]: the rank kernel's device copy of the round's tables, which
                          ///< the copy and combine kernels read (one PCIe read per word per round, not per block)
+  uint64_t offLocal;     ///< pointer [localSize]: the node ranks' regions as this process maps them (LocalGeometry)
   uint64_t bytes;
 };
-inline ScratchGeometry scratchGeometry(const proxy::ProtocolSizes& s, uint32_t maxNumTokens) {
+inline ScratchGeometry scratchGeometry(const proxy::ProtocolSizes& s, uint32_t maxNumTokens, uint32_t localSize = 0) {
   auto align = [](uint64_t x) { return (x + 255) & ~uint64_t{255}; };
   const uint64_t TK = static_cast<uint64_t>(maxNumTokens) * s.expertsPerToken;
   ScratchGeometry g{};
@@ -167,6 +218,8 @@ inline ScratchGeometry scratchGeometry(const proxy::ProtocolSizes& s, uint32_t m
   at = align(at + 4ull * s.worldSize * s.maxSendTokens * s.maxLocalPerEntry);
   g.offTables = at;
   at = align(at + 4ull * tableGeometry(s).words);
+  g.offLocal = at;
+  at = align(at + 8ull * localSize);
   g.bytes = at;
   return g;
 }
@@ -178,6 +231,9 @@ struct DeviceState {
   TraceRound* trace;   ///< device pointer of the host-mapped trace ring, or null (tracing off)
   uint64_t timeoutNs;  ///< EPCOMM_TIMEOUT_MS; a kernel waits twice that for the proxy (whose own waits fire first)
   ScratchGeometry sg;
+  LocalGeometry lg;       ///< same-node peers (lg.size 0: none)
+  uint8_t* localMine;     ///< this rank's region (lg), or null
+  uint8_t* const* local;  ///< device array [lg.size] in the scratch: every node rank's region as mapped here
 };
 
 /// Buffers of the channel as the GPU sees them (device pointers of the pinned, mapped host buffers).
@@ -268,7 +324,7 @@ int launchClockProbe(uint64_t* cell, uint32_t n, void* stream);
 uint64_t combineRecvSharedBytes(const proxy::ProtocolSizes& sizes);
 /// Dynamic shared memory of the combine send kernel (piece starts) and of the copy kernel (entry starts).
 inline uint64_t combineSendSharedBytes(const proxy::ProtocolSizes& s) {
-  return 4ull * (2ull * s.numDpGroups() * s.numLocalExperts + 1);
+  return 4ull * (2ull * s.numDpGroups() * s.numLocalExperts + 1 + s.numDpGroups());
 }
 inline uint64_t copySharedBytes(const proxy::ProtocolSizes& s) { return 4ull * (s.worldSize + 1); }
 /// Raises the dynamic shared-memory limit of the kernels that use it to `bytes` (needed above 48 KiB); cudaError_t.

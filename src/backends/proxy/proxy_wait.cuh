@@ -10,6 +10,11 @@
 // a receive block polls it with ld.acquire.sys, __syncthreads(), and its threads read the host memory with
 // ld.volatile (relaxed, system scope: never a stale cached copy of an earlier round).
 //
+// Same-node peers (LocalGeometry): their entries and rows are stored into this rank's device region by their own
+// kernels, whose last block fences at system scope and stores the round into this rank's flag for them
+// (st.release.sys); block 0 of a receive kernel, after the proxy's arrival word, waits for every node peer's flag with
+// ld.acquire.sys before it relays the round, so the relay covers both. The entries and rows are read with ld.volatile.
+//
 // Every wait is bounded: twice EPCOMM_TIMEOUT_MS (the proxy's own waits, which name the missing peer, fire first and
 // raise the mailbox's abort word, which stops the kernels' waits at once). A kernel that gives up records an error in
 // the host-mapped record and never traps.
@@ -108,10 +113,11 @@ __device__ __forceinline__ void recordError(const DeviceState& st, int32_t phase
   recordErrorAt(claimWord(st), st.mailbox, phase, rank, peer, a, b, halt);
 }
 
-// Thread 0: waits until the mailbox word reaches `want` (ld.acquire.sys), bounded by twice EPCOMM_TIMEOUT_MS; stops
-// at once when the object halts. False when it gave up (a timeout is recorded, naming the phase).
+// Thread 0: waits until `word` (the mailbox's, or a node peer's flag in this rank's region) reaches `want`
+// (ld.acquire.sys), bounded by twice EPCOMM_TIMEOUT_MS; stops at once when the object halts. False when it gave up (a
+// timeout is recorded, naming the phase and `peer`, -1 for the proxy).
 __device__ __noinline__ bool waitMailboxAt(int32_t* claim, Mailbox* mailbox, uint64_t timeoutNs, const uint64_t* word,
-                                           uint64_t want, int32_t phase, int32_t rank) {
+                                           uint64_t want, int32_t phase, int32_t rank, int32_t peer = -1) {
   uint64_t v = ldAcquireSys(word);
   if (v >= want) return true;
   const uint64_t start = globalTimerNs();
@@ -122,20 +128,29 @@ __device__ __noinline__ bool waitMailboxAt(int32_t* claim, Mailbox* mailbox, uin
     if ((i & 63) == 0) {
       if (haltedAt(claim, mailbox)) return false;
       if (globalTimerNs() - start > 2 * timeoutNs) {
-        recordErrorAt(claim, mailbox, phase, rank, -1, static_cast<int64_t>(v), static_cast<int64_t>(want), true);
+        recordErrorAt(claim, mailbox, phase, rank, peer, static_cast<int64_t>(v), static_cast<int64_t>(want), true);
         return false;
       }
     }
   }
 }
-// Thread 0 of every block: waits for the proxy's arrival word `which` (0 dispatch, 1 combine) to reach `want`. Only
-// block 0 polls the host word (one PCIe read stream instead of one per block); it relays the value into device
-// memory (release at GPU scope after its system-scope acquire: the other blocks' acquire completes the chain) and
-// the others poll that. Every block's wait is bounded; when block 0 gives up it halts the object, which stops them.
+// Thread 0 of every block: waits for the proxy's arrival word `which` (0 dispatch, 1 combine) to reach `want`, and
+// for the `nFlags` flags of the node peers (ranks firstPeer, ...; phase flagPhase). Only block 0 polls them (one PCIe
+// read stream instead of one per block); it relays the value into device memory (release at GPU scope after its
+// system-scope acquires: the other blocks' acquire completes the chain) and the others poll that. Every block's wait
+// is bounded; when block 0 gives up it halts the object, which stops them.
 __device__ __noinline__ bool waitArrivalAt(int32_t* claim, Mailbox* mailbox, uint64_t timeoutNs, uint64_t* relay,
-                                           const uint64_t* word, uint64_t want, int32_t phase, int32_t rank) {
+                                           const uint64_t* word, uint64_t want, int32_t phase, int32_t rank,
+                                           const uint64_t* flags, uint32_t nFlags, uint32_t firstPeer,
+                                           int32_t flagPhase) {
   if (blockIdx.x == 0) {
     if (!waitMailboxAt(claim, mailbox, timeoutNs, word, want, phase, rank)) return false;
+    for (uint32_t i = 0; i < nFlags; ++i) {
+      if (!waitMailboxAt(claim, mailbox, timeoutNs, flags + i, want, flagPhase, rank,
+                         static_cast<int32_t>(firstPeer + i))) {
+        return false;
+      }
+    }
     stReleaseGpu64(relay, want);
     return true;
   }
@@ -158,7 +173,23 @@ __device__ __noinline__ bool waitArrivalAt(int32_t* claim, Mailbox* mailbox, uin
 __device__ __forceinline__ bool waitArrival(const DeviceState& st, int which, const uint64_t* word, uint64_t want,
                                             int32_t phase, int32_t rank) {
   uint64_t* relay = reinterpret_cast<uint64_t*>(st.scratch + st.sg.offArrived) + which;
-  return waitArrivalAt(claimWord(st), st.mailbox, st.timeoutNs, relay, word, want, phase, rank);
+  const uint64_t* flags = st.lg.size == 0
+                              ? nullptr
+                              : reinterpret_cast<const uint64_t*>(
+                                    st.localMine + (which == 0 ? st.lg.offDispatchFlag : st.lg.offCombineFlag));
+  return waitArrivalAt(claimWord(st), st.mailbox, st.timeoutNs, relay, word, want, phase, rank, flags, st.lg.size,
+                       st.lg.first, which == 0 ? kPhaseLocalDispatch : kPhaseLocalCombine);
+}
+
+// Node rank r's region as this process maps it (st.lg.has(r)).
+__device__ __forceinline__ uint8_t* localRegion(const DeviceState& st, uint32_t r) { return st.local[r - st.lg.first]; }
+
+// Thread 0 of a send kernel's last block, after lastBlock's system fence: stores `round` into this rank's flag
+// (`offFlag`: dispatch or combine) in every node rank's region, releasing every block's stores into them.
+__device__ __forceinline__ void raiseLocalFlags(const DeviceState& st, uint32_t me, uint64_t offFlag, uint64_t round) {
+  for (uint32_t i = 0; i < st.lg.size; ++i) {
+    stReleaseSys(reinterpret_cast<uint64_t*>(st.local[i] + offFlag) + (me - st.lg.first), round);
+  }
 }
 
 // Every block of a launch calls this last (all threads). The last block to arrive runs `last` (thread 0), after
