@@ -1,0 +1,524 @@
+// The proxy backend's same-node path against the CPU reference: one process per rank (forked before any CUDA call,
+// TCP bootstrap), ranks on GPU rank % devices (so W = 2, 3, 4 share one GPU), EPCOMM_PROXY_LOCAL_SIZE = W (every peer
+// on the node: entries and combine rows over NVLink through CUDA IPC, heads and immediates over the fabric) and = 2
+// with W = 4 (two "nodes" of two ranks: node peers over NVLink, the others over the fabric), with the control (and the
+// other node's bulk) over the libfabric provider of the test's parameter (tcp, shm). Without a GPU every GPU test
+// reports skipped; without the provider too. The choice of ranks per node is checked without a GPU.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "backends/proxy/proxy_all_to_all.hpp"
+#include "backends/proxy/proxy_local.hpp"
+#include "epcomm/error.hpp"
+#include "gpu_harness.hpp"
+#include "support/fabric_probe.hpp"
+#include "support/multiprocess.hpp"
+#include "support/scoped_env.hpp"
+
+namespace epcomm {
+namespace {
+
+using gputest::DeviceTensors;
+using gputest::Round;
+using gputest::Scenario;
+using test::ScopedEnv;
+
+test::RunOptions options() {
+  test::RunOptions o;
+  o.deadlineMs = 180000;
+  return o;
+}
+
+Scenario base(uint32_t world) {
+  Scenario s;
+  s.world = world;
+  s.experts = 4 * world;
+  return s;
+}
+
+void useGpu(int rank) {
+  int count = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+  ASSERT_EQ(cudaSetDevice(rank % count), cudaSuccess);
+}
+
+// ---- Ranks per node (no GPU) -------------------------------------------------------------------------------------
+
+TEST(ProxyLocalSize, FromTheVariableOrTheHostNames) {
+  using gpuproxy::chooseLocalSize;
+  std::string note;
+  const std::vector<std::string> one(4, "a"), two = {"a", "a", "b", "b"}, mixed = {"a", "b", "a", "b"},
+                                              uneven = {"a", "a", "a", "b"};
+  EXPECT_EQ(chooseLocalSize(0, one, &note), 4u);
+  EXPECT_EQ(chooseLocalSize(0, two, &note), 2u);
+  EXPECT_EQ(chooseLocalSize(0, {"a"}, &note), 1u);
+  EXPECT_TRUE(note.empty()) << note;
+  // Hosts not in blocks of consecutive ranks of one size: every peer over the fabric, and the note says why.
+  EXPECT_EQ(chooseLocalSize(0, mixed, &note), 1u);
+  EXPECT_NE(note.find("not grouped"), std::string::npos) << note;
+  note.clear();
+  EXPECT_EQ(chooseLocalSize(0, uneven, &note), 1u);
+  EXPECT_FALSE(note.empty());
+  // The variable: 1 is every peer over the fabric; a size must divide the world and each block share a host.
+  EXPECT_EQ(chooseLocalSize(1, one, &note), 1u);
+  EXPECT_EQ(chooseLocalSize(2, one, &note), 2u);
+  EXPECT_EQ(chooseLocalSize(2, two, &note), 2u);
+  EXPECT_EQ(chooseLocalSize(4, one, &note), 4u);
+  auto refused = [&](int64_t wanted, const std::vector<std::string>& hosts, const char* text) {
+    try {
+      chooseLocalSize(wanted, hosts, &note);
+      ADD_FAILURE() << "EPCOMM_PROXY_LOCAL_SIZE = " << wanted << " accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidConfig) << e.what();
+      EXPECT_NE(e.message().find(text), std::string::npos) << e.what();
+    }
+  };
+  refused(3, one, "divide worldSize");
+  refused(8, one, "divide worldSize");
+  refused(-1, one, "divide worldSize");
+  refused(4, two, "rank 2 on 'b'");
+  refused(2, mixed, "rank 1 on 'b'");
+}
+
+// ---- On the GPU --------------------------------------------------------------------------------------------------
+
+// The fixture: the provider of the parameter for the control and the other node's peers. EPCOMM_PROXY_LOCAL_SIZE is
+// set per run, before the ranks fork (epcomm reads the variables in the children).
+class ProxyLocalGpu : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (gputest::gpuCount() == 0) GTEST_SKIP() << "no CUDA device";
+    SKIP_WITHOUT(GetParam());
+    env_ = std::make_unique<ScopedEnv>(
+        std::initializer_list<std::pair<const char*, const char*>>{{"EPCOMM_FABRIC_PROVIDER", GetParam().c_str()}});
+  }
+  void TearDown() override { env_.reset(); }
+
+  // Runs every scenario of `list` on `world` ranks, `localSize` ranks per node; each scenario creates its own object
+  // through the factory.
+  void runAll(int world, int localSize, const std::vector<Scenario>& list) {
+    const std::string ls = std::to_string(localSize);
+    ScopedEnv local({{"EPCOMM_PROXY_LOCAL_SIZE", ls.c_str()}});
+    test::RunResult result = test::runRanks(
+        world,
+        [&](int rank, Bootstrap& bootstrap) {
+          for (size_t i = 0; i < list.size(); ++i) {
+            std::string err = gputest::runScenario(list[i], static_cast<uint32_t>(rank), bootstrap, "proxy");
+            ASSERT_TRUE(err.empty()) << "W = " << world << ", local size " << localSize << ", scenario " << i << ": "
+                                     << err;
+          }
+        },
+        options());
+    EXPECT_TRUE(result.allOk()) << "W = " << world << ", local size " << localSize << ": " << result.summary();
+  }
+
+  std::unique_ptr<ScopedEnv> env_;
+};
+
+// Masked and repeated experts, ragged m, a device boundM, both layouts with padding and three index dtypes.
+std::vector<Scenario> layoutsFor(uint32_t world) {
+  std::vector<Scenario> list;
+  for (Layout layout : {Layout::kBatched, Layout::kPacked}) {
+    Scenario s = base(world);
+    s.masked = true;
+    s.deviceBound = true;
+    s.layout = layout;
+    s.padding = layout == Layout::kPacked ? 16 : 4;
+    s.indexType = layout == Layout::kPacked ? DType::kI64 : DType::kU32;
+    s.seed = 10 * world + (layout == Layout::kPacked ? 1 : 0);
+    list.push_back(s);
+  }
+  Scenario own = base(world);  // every token to its own rank's experts: nothing crosses
+  own.ownExperts = true;
+  own.seed = 300 + world;
+  list.push_back(own);
+  return list;
+}
+
+// Every peer on the node: W = 2, 3, 4.
+TEST_P(ProxyLocalGpu, AllLocalWorlds234) {
+  for (int world : {2, 3, 4}) runAll(world, world, layoutsFor(static_cast<uint32_t>(world)));
+}
+
+// Two nodes of two ranks: node peers over NVLink, the other node over the fabric, in one round.
+TEST_P(ProxyLocalGpu, TwoNodesOfTwo) { runAll(4, 2, layoutsFor(4)); }
+
+// DP groups within a node (D = 2, local size 2 and 4) and across the nodes (D = 4, local size 2: a group's rows go to
+// its node peers' regions and to the send buffer for the others).
+TEST_P(ProxyLocalGpu, DpGroups) {
+  Scenario d2 = base(4);
+  d2.dp = 2;
+  d2.masked = true;
+  d2.deviceBound = true;
+  Scenario d4 = base(4);
+  d4.dp = 4;
+  d4.layout = Layout::kPacked;
+  d4.padding = 4;
+  d4.masked = true;
+  d4.seed = 21;
+  Scenario d2split = d2;
+  d2split.split = true;
+  d2split.seed = 22;
+  runAll(4, 2, {d2, d4, d2split});
+  runAll(4, 4, {d2, d4});
+  Scenario w2 = base(2);
+  w2.dp = 2;
+  w2.masked = true;
+  runAll(2, 2, {w2});
+}
+
+// Send and receive halves as separate calls with other work between them (all ranks, then only the odd ones), and
+// accumulate.
+TEST_P(ProxyLocalGpu, SplitHalvesAndAccumulate) {
+  Scenario s = base(2);
+  s.split = true;
+  s.accumulate = true;
+  s.masked = true;
+  Scenario mixed = base(3);
+  mixed.splitOddRanks = true;
+  mixed.masked = true;
+  mixed.seed = 7;
+  Scenario four = base(4);
+  four.splitOddRanks = true;
+  four.accumulate = true;
+  four.masked = true;
+  four.seed = 8;
+  runAll(2, 2, {s});
+  runAll(3, 3, {mixed});
+  runAll(4, 2, {four});
+}
+
+// Every payload dtype with every (expertY, outTokens) pair, all local; a few over two nodes.
+TEST_P(ProxyLocalGpu, DtypeMatrix) {
+  const DType payloads[] = {DType::kFp8E4M3, DType::kBf16, DType::kF16, DType::kF32};
+  const DType combine[] = {DType::kBf16, DType::kF16, DType::kF32};
+  std::vector<Scenario> all, some;
+  uint64_t seed = 100;
+  for (DType p : payloads) {
+    for (DType y : combine) {
+      for (DType o : combine) {
+        Scenario s = base(2);
+        s.xType = p;
+        s.scales = p == DType::kFp8E4M3;
+        s.yType = y;
+        s.outType = o;
+        s.hidden = 128;
+        s.rounds = 1;
+        s.masked = true;
+        s.seed = seed++;
+        all.push_back(s);
+        if (y == o) {
+          Scenario f = s;
+          f.world = 4;
+          f.experts = 16;
+          some.push_back(f);
+        }
+      }
+    }
+  }
+  runAll(2, 2, all);
+  runAll(4, 2, some);
+}
+
+// A private area of 2 tokens: the fabric peers' tokens overflow (one bulk write per peer), the node peers' do not
+// travel over the fabric at all; SPEC's decode shape on two ranks.
+TEST_P(ProxyLocalGpu, OverflowAndDecodeShape) {
+  {
+    ScopedEnv priv({{"EPCOMM_PRIVATE_TOKENS", "2"}});
+    Scenario s = base(4);
+    s.masked = true;
+    s.ragged = true;
+    s.deviceBound = true;
+    Scenario t = s;
+    t.world = 3;
+    t.experts = 12;
+    t.layout = Layout::kPacked;
+    t.padding = 8;
+    t.seed = 44;
+    runAll(4, 2, {s});
+    runAll(3, 3, {t});
+  }
+  Scenario d = base(2);
+  d.experts = 256;
+  d.topK = 8;
+  d.hidden = 7168;
+  d.maxTokens = 128;
+  d.xType = DType::kFp8E4M3;
+  d.scales = true;
+  d.ragged = false;
+  d.rounds = 2;
+  runAll(2, 2, {d});
+}
+
+// Fabric counters with two nodes of two: every peer gets one head write and one combine write per round (the control);
+// a node peer's carry no entries and no rows (the head alone, a combine immediate alone) and it never gets a bulk
+// write, even when the private area overflows. The memory path names the NVLink peers.
+TEST_P(ProxyLocalGpu, NodePeersGetControlOnly) {
+  ScopedEnv local({{"EPCOMM_PROXY_LOCAL_SIZE", "2"}, {"EPCOMM_PRIVATE_TOKENS", "2"}});
+  test::RunResult result = test::runRanks(
+      4,
+      [](int rank, Bootstrap& bootstrap) {
+        useGpu(rank);
+        Scenario s = base(4);
+        s.masked = true;
+        s.ragged = false;
+        gpuproxy::ProxyAllToAll a2a(gputest::scenarioConfig(s, rank), bootstrap);
+        EXPECT_NE(a2a.memoryPath().find("NVLink"), std::string::npos) << a2a.memoryPath();
+        DeviceTensors dev;
+        gputest::allocateDevice(s, rank, dev);
+        const int rounds = 4;
+        for (int round = 0; round < rounds; ++round) {
+          Round r(s, 70 + round);
+          r.upload(rank, dev);
+          a2a.dispatch(dev.dispatch);
+          a2a.combine(dev.combine);
+          a2a.synchronize();
+          const std::string err = r.check(rank, dev);
+          ASSERT_TRUE(err.empty()) << "round " << round << ": " << err;
+        }
+        const proxy::ChannelStats st = a2a.stats();
+        const uint64_t head = a2a.sizes().headBytes;
+        EXPECT_EQ(st.dispatchRounds, static_cast<uint64_t>(rounds));
+        EXPECT_EQ(st.combineRounds, static_cast<uint64_t>(rounds));
+        uint64_t fabricBulk = 0;
+        for (int p = 0; p < 4; ++p) {
+          if (p == rank) continue;
+          EXPECT_EQ(st.peers[p].headWrites, static_cast<uint64_t>(rounds)) << "peer " << p;
+          EXPECT_EQ(st.peers[p].combineWrites, static_cast<uint64_t>(rounds)) << "peer " << p;
+          if (p / 2 == rank / 2) {
+            EXPECT_EQ(st.peers[p].bulkWrites, 0u) << "node peer " << p;
+            EXPECT_EQ(st.peers[p].bytes, rounds * head) << "node peer " << p << ": only its heads";
+          } else {
+            EXPECT_GT(st.peers[p].bytes, rounds * head) << "peer " << p << " of the other node";
+            fabricBulk += st.peers[p].bulkWrites;
+          }
+        }
+        // 24 tokens of 4 experts each among 16: with 2 private tokens some rounds overflow towards the other node.
+        EXPECT_GT(fabricBulk, 0u);
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+// Two objects in flight at once on two streams, each with its own regions, channel and proxy thread.
+TEST_P(ProxyLocalGpu, TwoObjectsInFlight) {
+  ScopedEnv local({{"EPCOMM_PROXY_LOCAL_SIZE", "2"}});
+  test::RunResult result = test::runRanks(
+      2,
+      [](int rank, Bootstrap& bootstrap) {
+        useGpu(rank);
+        Scenario sa = base(2), sb = base(2);
+        sb.layout = Layout::kPacked;
+        sb.hidden = 512;
+        sb.masked = true;
+        auto a = createAllToAll(gputest::scenarioConfig(sa, rank), bootstrap, "proxy");
+        auto b = createAllToAll(gputest::scenarioConfig(sb, rank), bootstrap, "proxy");
+        DeviceTensors da, db;
+        gputest::allocateDevice(sa, rank, da);
+        gputest::allocateDevice(sb, rank, db);
+        cudaStream_t s1, s2;
+        ASSERT_EQ(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking), cudaSuccess);
+        ASSERT_EQ(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking), cudaSuccess);
+        for (int round = 0; round < 3; ++round) {
+          Round ra(sa, 500 + round), rb(sb, 600 + round);
+          ra.upload(rank, da);
+          rb.upload(rank, db);
+          da.dispatch.stream = da.combine.stream = s1;
+          db.dispatch.stream = db.combine.stream = s2;
+          a->dispatch(da.dispatch);
+          b->dispatch(db.dispatch);
+          a->combine(da.combine);
+          b->combine(db.combine);
+          a->synchronize();
+          b->synchronize();
+          std::string ea = ra.check(rank, da), eb = rb.check(rank, db);
+          ASSERT_TRUE(ea.empty()) << "object A round " << round << ": " << ea;
+          ASSERT_TRUE(eb.empty()) << "object B round " << round << ": " << eb;
+        }
+        cudaStreamDestroy(s1);
+        cudaStreamDestroy(s2);
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+// Capture dispatch + combine once, replay with new inputs and a new *boundM each time: the node peers' flags are round
+// numbers the device keeps, so replays need no host work (W = 2 all local, 100 replays; W = 4 on two nodes, 30).
+TEST_P(ProxyLocalGpu, GraphReplay) {
+  for (int world : {2, 4}) {
+    const int replays = world == 2 ? 100 : 30;
+    ScopedEnv local({{"EPCOMM_PROXY_LOCAL_SIZE", "2"}});
+    test::RunResult result = test::runRanks(
+        world,
+        [&](int rank, Bootstrap& bootstrap) {
+          useGpu(rank);
+          Scenario s = base(static_cast<uint32_t>(world));
+          s.hidden = 128;
+          s.maxTokens = 16;
+          s.ragged = false;  // m is part of the captured call; the token count varies through *boundM
+          s.deviceBound = true;
+          s.masked = true;
+          auto a2a = createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "proxy");
+          DeviceTensors dev;
+          gputest::allocateDevice(s, rank, dev);
+          cudaStream_t stream;
+          ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+          {
+            Round r0(s, 9000);
+            r0.upload(rank, dev);
+          }
+          dev.dispatch.stream = dev.combine.stream = stream;
+          cudaGraph_t graph;
+          cudaGraphExec_t exec;
+          ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+          a2a->dispatch(dev.dispatch);
+          a2a->combine(dev.combine);
+          ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+          ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+          std::vector<uint8_t> first;
+          for (int replay = 0; replay < replays; ++replay) {
+            // Replays 0 and 1 repeat the same inputs: their outputs must be bitwise equal.
+            Round r(s, 10000 + (replay == 1 ? 0 : replay));
+            r.upload(rank, dev);
+            ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+            ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+            a2a->synchronize();
+            std::string err = r.check(rank, dev);
+            ASSERT_TRUE(err.empty()) << "W = " << world << " replay " << replay << ": " << err;
+            if (replay == 0) first = Round::snapshot(dev);
+            if (replay == 1) ASSERT_EQ(Round::snapshot(dev), first) << "replay 1 differs bitwise from replay 0";
+          }
+          cudaGraphExecDestroy(exec);
+          cudaGraphDestroy(graph);
+          cudaStreamDestroy(stream);
+        },
+        options());
+    EXPECT_TRUE(result.allOk()) << "W = " << world << ": " << result.summary();
+  }
+}
+
+// Rank 1 never dispatches: rank 0 (its node peer) gets Error(kTimeout) naming rank 1 and the dispatch within the
+// timeout (the channel still waits for every peer's head), and the object then refuses further use.
+TEST_P(ProxyLocalGpu, NodePeerThatNeverDispatchesTimesOut) {
+  ScopedEnv env({{"EPCOMM_TIMEOUT_MS", "1500"}, {"EPCOMM_PROXY_LOCAL_SIZE", "2"}});
+  test::RunResult result = test::runRanks(
+      2,
+      [](int rank, Bootstrap& bootstrap) {
+        useGpu(rank);
+        Scenario s = base(2);
+        auto a2a = createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "proxy");
+        DeviceTensors dev;
+        gputest::allocateDevice(s, rank, dev);
+        Round r(s, 77);
+        r.upload(rank, dev);
+        if (rank == 0) {
+          const auto start = std::chrono::steady_clock::now();
+          a2a->dispatch(dev.dispatch);
+          bool threw = false;
+          try {
+            a2a->synchronize();
+          } catch (const Error& e) {
+            threw = true;
+            EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+            EXPECT_NE(e.message().find("rank 1"), std::string::npos) << e.what();
+            EXPECT_NE(e.message().find("dispatch"), std::string::npos) << e.what();
+          }
+          const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+          EXPECT_TRUE(threw) << "no error after a node peer skipped dispatch";
+          EXPECT_LT(ms, 1500 + 3000) << "the timeout took too long";
+          EXPECT_THROW(a2a->dispatch(dev.dispatch), Error);
+        }
+        bootstrap.barrier();
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+// Rank 2 dies (SIGKILL) after its dispatch send half, mid-round: all local at W = 3, and on two nodes of two at W = 4
+// (rank 3 its node peer, ranks 0 and 1 over the fabric). The survivors raise an error naming it within a few
+// timeouts, and destroy their objects (the teardown's barriers fail without rank 2 and are skipped).
+TEST_P(ProxyLocalGpu, PeerKilledMidRoundIsNamed) {
+  for (int world : {3, 4}) {
+    const std::string ls = world == 3 ? "3" : "2";
+    ScopedEnv env({{"EPCOMM_TIMEOUT_MS", "2000"}, {"EPCOMM_PROXY_LOCAL_SIZE", ls.c_str()}});
+    test::RunResult result = test::runRanks(
+        world,
+        [&](int rank, Bootstrap& bootstrap) {
+          useGpu(rank);
+          Scenario s = base(static_cast<uint32_t>(world));
+          auto a2a = createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "proxy");
+          DeviceTensors dev;
+          gputest::allocateDevice(s, rank, dev);
+          Round r(s, 5);
+          r.upload(rank, dev);
+          a2a->dispatch(dev.dispatch);
+          a2a->combine(dev.combine);
+          a2a->synchronize();
+          ASSERT_EQ(r.check(rank, dev), "");
+          DispatchArgs send = dev.dispatch;
+          send.doRecv = false;
+          a2a->dispatch(send);
+          if (rank == 2) raise(SIGKILL);
+          const auto start = std::chrono::steady_clock::now();
+          try {
+            DispatchArgs recv = dev.dispatch;
+            recv.doSend = false;
+            a2a->dispatch(recv);
+            a2a->combine(dev.combine);
+            a2a->synchronize();
+            ADD_FAILURE() << "round completed without rank 2";
+          } catch (const Error& e) {
+            EXPECT_TRUE(e.code() == ErrorCode::kTimeout || e.code() == ErrorCode::kFabric ||
+                        e.code() == ErrorCode::kPeerFailure)
+                << e.what();
+            EXPECT_TRUE(std::regex_search(e.message(), std::regex("ranks? ([0-9]+, )*2([^0-9]|$)"))) << e.what();
+          }
+          const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          EXPECT_LT(sec, 3 * 2.0 + 3.0) << "the error took too long";
+          EXPECT_THROW(a2a->synchronize(), Error);
+        },
+        options());
+    ASSERT_EQ(result.ranks.size(), static_cast<size_t>(world));
+    for (int r = 0; r < world; ++r) {
+      if (r == 2) {
+        EXPECT_EQ(result.ranks[r].signal, SIGKILL) << "W = " << world << ": " << result.summary();
+      } else {
+        EXPECT_TRUE(result.ranks[r].ok()) << "W = " << world << ": " << result.summary();
+      }
+    }
+  }
+}
+
+// Ranks that disagree on the ranks per node are refused at creation, on every rank, naming the setting.
+TEST_P(ProxyLocalGpu, RanksDisagreeingOnTheLocalSizeAreRefused) {
+  test::RunResult result = test::runRanks(
+      2,
+      [](int rank, Bootstrap& bootstrap) {
+        useGpu(rank);
+        setenv("EPCOMM_PROXY_LOCAL_SIZE", rank == 0 ? "2" : "1", 1);  // read at creation
+        try {
+          auto a2a = createAllToAll(gputest::scenarioConfig(base(2), rank), bootstrap, "proxy");
+          ADD_FAILURE() << "created with local sizes 2 and 1";
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), ErrorCode::kInvalidConfig) << e.what();
+          EXPECT_NE(e.message().find("EPCOMM_PROXY_LOCAL_SIZE"), std::string::npos) << e.what();
+        }
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+INSTANTIATE_TEST_SUITE_P(Providers, ProxyLocalGpu, ::testing::Values("tcp", "shm"),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace epcomm
