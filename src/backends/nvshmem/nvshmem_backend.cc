@@ -31,8 +31,6 @@ namespace {
 
 using nvshmem::Geometry;
 
-/// Opt-in shared memory per block of an H200: what the planner assumes without a GPU.
-constexpr uint64_t kPlannerSharedBytes = 232448;
 /// NVSHMEM's own default heap, the least the first object asks for: smaller plans still leave room for later objects.
 constexpr uint64_t kMinHeapBytes = 1ull << 30;
 
@@ -67,8 +65,8 @@ struct SharedShape {
   uint64_t symmetricBytes;
   uint32_t chunks;
   uint32_t recvBlocks;
-  uint32_t routeWarps;
-  uint32_t reserved;
+  uint32_t sendBlocks;
+  uint32_t combineBlocks;
 };
 
 class NvshmemAllToAll final : public AllToAll {
@@ -78,33 +76,34 @@ class NvshmemAllToAll final : public AllToAll {
     EPCOMM_CHECK_CUDA(cudaSetDevice(device_));
     int smemMax = 0;
     EPCOMM_CHECK_CUDA(cudaDeviceGetAttribute(&smemMax, cudaDevAttrMaxSharedMemoryPerBlockOptin, device_));
-    geo_ = nvshmem::makeGeometry(config, static_cast<uint64_t>(smemMax));
+    geo_ = nvshmem::makeGeometry(config);
     EPCOMM_CHECK(config.worldSize <= nvshmem::kMaxRanks, kUnavailable,
                  "nvshmem backend supports at most " << nvshmem::kMaxRanks << " ranks, got " << config.worldSize);
     EPCOMM_CHECK(config.expertsPerToken <= kMaxExpertsPerToken, kInvalidConfig,
                  "nvshmem backend supports at most " << kMaxExpertsPerToken << " experts per token, got "
                                                      << config.expertsPerToken);
-    EPCOMM_CHECK(geo_.routeWarps > 0, kInvalidConfig,
-                 "nvshmem routing needs " << nvshmem::routeSharedBytes(1, config.numExperts, config.worldSize)
-                                          << " bytes of shared memory for numExperts = " << config.numExperts
-                                          << " and worldSize = " << config.worldSize << ", the device allows "
-                                          << smemMax);
+    const uint64_t packBytes = nvshmem::packSharedBytes(geo_.numLocalExperts, geo_.chunkRecords);
+    EPCOMM_CHECK(packBytes <= static_cast<uint64_t>(smemMax), kInvalidConfig,
+                 "nvshmem dispatch-send needs " << packBytes << " bytes of shared memory for " << geo_.numLocalExperts
+                                                << " local experts and " << geo_.chunkRecords
+                                                << " records per chunk, the device allows " << smemMax);
     EPCOMM_CHECK(nvshmem::recvSharedBytes(geo_) <= static_cast<uint64_t>(smemMax), kInvalidConfig,
-                 "nvshmem receive kernels need " << nvshmem::recvSharedBytes(geo_)
-                                                 << " bytes of shared memory for W x L row tables, the device allows "
-                                                 << smemMax);
+                 "nvshmem dispatch-recv needs " << nvshmem::recvSharedBytes(geo_)
+                                                << " bytes of shared memory for W x L row tables, the device allows "
+                                                << smemMax);
     int rc = nvshmem::configureKernels(geo_);
     EPCOMM_CHECK(rc == 0, kCuda,
                  "cudaFuncSetAttribute (nvshmem kernels' shared memory) failed: "
                      << cudaGetErrorString(static_cast<cudaError_t>(rc)));
 
     // Everyone must ask NVSHMEM for the same symmetric size (a collective allocation).
-    SharedShape mine{geo_.symmetricBytes, geo_.chunks, geo_.recvBlocks, geo_.routeWarps, 0};
+    SharedShape mine{geo_.symmetricBytes, geo_.chunks, geo_.recvBlocks, geo_.sendBlocks, geo_.combineBlocks};
     std::vector<SharedShape> all(config.worldSize);
     bootstrap_.allGather(&mine, all.data(), sizeof(SharedShape));
     for (uint32_t r = 0; r < config.worldSize; ++r) {
       EPCOMM_CHECK(all[r].symmetricBytes == mine.symmetricBytes && all[r].chunks == mine.chunks &&
-                       all[r].recvBlocks == mine.recvBlocks,
+                       all[r].recvBlocks == mine.recvBlocks && all[r].sendBlocks == mine.sendBlocks &&
+                       all[r].combineBlocks == mine.combineBlocks,
                    kInvalidConfig,
                    "ranks disagree on the nvshmem buffers: rank "
                        << r << " needs " << all[r].symmetricBytes << " symmetric bytes, rank " << config.rank
@@ -140,12 +139,9 @@ class NvshmemAllToAll final : public AllToAll {
     const PackedDispatch& p = packedFor(
         packedDispatch_, a, [&] { packDispatch(a); }, [&] { order_.checkDispatch(a.doSend, a.doRecv); });
     checkCurrentDevice(device_, config_.rank);
-    if (a.doSend) {
-      checkLaunch(nvshmem::launchDispatchSend(p.send, a.stream), "", config_.rank, "nvshmem dispatch send kernel");
-      dispatchedM_ = p.send.m;
-    }
-    if (a.doRecv)
-      checkLaunch(nvshmem::launchDispatchRecv(p.recv, a.stream), "", config_.rank, "nvshmem dispatch receive kernel");
+    checkLaunch(nvshmem::launchDispatch(p.k, a.doSend, a.doRecv, a.stream), "", config_.rank,
+                "nvshmem dispatch kernel");
+    if (a.doSend) dispatchedM_ = p.k.m;
     order_.dispatched(a.doSend, a.doRecv);
   }
 
@@ -159,10 +155,8 @@ class NvshmemAllToAll final : public AllToAll {
       EPCOMM_CHECK(p.weightRows >= dispatchedM_, kInvalidArgument,
                    "rank " << config_.rank << ": combine weights have " << p.weightRows
                            << " rows, fewer than the m = " << dispatchedM_ << " tokens this rank dispatched");
-      checkLaunch(nvshmem::launchCombineSend(p.send, a.stream), "", config_.rank, "nvshmem combine send kernel");
     }
-    if (a.doRecv)
-      checkLaunch(nvshmem::launchCombineRecv(p.recv, a.stream), "", config_.rank, "nvshmem combine receive kernel");
+    checkLaunch(nvshmem::launchCombine(p.k, a.doSend, a.doRecv, a.stream), "", config_.rank, "nvshmem combine kernel");
     order_.combined(a.doSend, a.doRecv);
   }
 
@@ -184,14 +178,12 @@ class NvshmemAllToAll final : public AllToAll {
   struct PackedDispatch {
     bool valid = false;
     DispatchArgs args;
-    nvshmem::DispatchSendArgs send{};
-    nvshmem::DispatchRecvArgs recv{};
+    nvshmem::DispatchKernelArgs k{};
   };
   struct PackedCombine {
     bool valid = false;
     CombineArgs args;
-    nvshmem::CombineSendArgs send{};
-    nvshmem::CombineRecvArgs recv{};
+    nvshmem::CombineKernelArgs k{};
     int64_t weightRows = 0;
   };
 
@@ -202,20 +194,12 @@ class NvshmemAllToAll final : public AllToAll {
     order_.checkDispatch(a.doSend, a.doRecv);
     PackedDispatch& p = packedDispatch_[callSlot(a.doSend, a.doRecv)];
     p.valid = false;
-    std::memset(&p.send, 0, sizeof p.send);
-    std::memset(&p.recv, 0, sizeof p.recv);
-    if (a.doSend) {
-      nvshmem::DispatchSendArgs& k = p.send;
-      k.g = geo_;
-      k.st = state();
-      packDispatchSend(k, a, c, k.xScaleStrideBytes, 4);
-    }
-    if (a.doRecv) {
-      nvshmem::DispatchRecvArgs& k = p.recv;
-      k.g = geo_;
-      k.st = state();
-      packDispatchRecv(k, a, c, config_.layout, k.outScaleStrideBytes, 4);
-    }
+    std::memset(&p.k, 0, sizeof p.k);
+    nvshmem::DispatchKernelArgs& k = p.k;
+    k.g = geo_;
+    k.st = state();
+    if (a.doSend) packDispatchSend(k, a, c, k.xScaleStrideBytes, 4);
+    if (a.doRecv) packDispatchRecv(k, a, c, config_.layout, k.outScaleStrideBytes, 4);
     p.args = a;
     p.valid = true;
   }
@@ -226,14 +210,13 @@ class NvshmemAllToAll final : public AllToAll {
     order_.checkCombine(a.doSend, a.doRecv);
     PackedCombine& p = packedCombine_[callSlot(a.doSend, a.doRecv)];
     p.valid = false;
-    std::memset(&p.send, 0, sizeof p.send);
-    std::memset(&p.recv, 0, sizeof p.recv);
+    std::memset(&p.k, 0, sizeof p.k);
+    nvshmem::CombineKernelArgs& k = p.k;
+    k.g = geo_;
+    k.st = state();
     if (a.doSend) {
       const TensorView& w = a.weights;
       checkSendHalfWeights(config_, w, device_, "nvshmem");
-      nvshmem::CombineSendArgs& k = p.send;
-      k.g = geo_;
-      k.st = state();
       k.y = static_cast<const uint8_t*>(a.expertY.data);
       k.yExpertStride = c.yExpertStride;
       k.yRowStride = c.yRowStride;
@@ -244,9 +227,6 @@ class NvshmemAllToAll final : public AllToAll {
       p.weightRows = w.shape[0];
     }
     if (a.doRecv) {
-      nvshmem::CombineRecvArgs& k = p.recv;
-      k.g = geo_;
-      k.st = state();
       k.outType = combineType(a.outTokens.dtype);
       packCombineRecv(k, a, c);
     }
@@ -339,8 +319,7 @@ std::unique_ptr<AllToAll> createNvshmem(const Config& config, Bootstrap& bootstr
 
 std::vector<PlannedBuffer> planNvshmem(const Config& config) {
   config.validate();
-  // The planner runs without a GPU: it assumes an H200's shared memory per block (only the routing warps depend on it).
-  const Geometry g = nvshmem::makeGeometry(config, kPlannerSharedBytes);
+  const Geometry g = nvshmem::makeGeometry(config);
   const std::string W = std::to_string(config.worldSize), T = std::to_string(config.maxNumTokens),
                     Ts = std::to_string(g.slotsPerSender), K = std::to_string(config.expertsPerToken),
                     H = std::to_string(config.hiddenDim);
@@ -351,18 +330,16 @@ std::vector<PlannedBuffer> planNvshmem(const Config& config) {
   const char* sym = "device (symmetric)";
   add("signals", sym, g.offDispRecv - g.offDispSig,
       "u64 dispatch [W=" + W + "][C=" + std::to_string(g.chunks) + "], weights [W], done [W], combine [W][T=" + T +
-          "]");
+          "][P=" + std::to_string(g.pieces) + " pieces of H]");
   add("dispatch receive", sym, g.offWeightRecv - g.offDispRecv,
       "[W][header + Ts=" + Ts + " x " + std::to_string(g.recordBytes) + " B records (payload, scales, routing)]");
   add("combine weights", sym, g.offCombRecv - g.offWeightRecv, "f32 [W][Ts][K=" + K + "]");
   add("combine partials", sym, g.offDispStage - g.offCombRecv, "f32 [W][T][H=" + H + "]");
   add("dispatch staging", sym, g.offWeightStage - g.offDispStage, "[W][header + Ts records]: the puts' source");
-  add("weights staging", sym, g.offCombStage - g.offWeightStage, "f32 [W][Ts][K]");
+  add("weights staging", sym, g.offCombStage - g.offWeightStage, "f32 [W][Ts][K]: a put's source per destination");
   add("partials staging", sym, g.symmetricBytes - g.offCombStage, "f32 [W][Ts][H]: the puts' source");
-  add("routing", "device", g.offTokens - g.offRoute, "int2 [Ts][K]: expert, position");
-  add("records per destination", "device", g.offRows - g.offTokens, "i32 [W][Ts]");
   add("rows of received entries", "device", g.offSeq - g.offRows, "int2 [W][Ts][K] for the combine");
-  add("round counters", "device", g.scratchBytes - g.offSeq, "u64 per kernel and block, and a few words");
+  add("round counters", "device", g.scratchBytes - g.offSeq, "u64 per work slot of each phase, and a few words");
   add("error record", "host pinned (mapped)", sizeof(nvshmem::ErrorRecord), "written by kernels, read by the host");
   add("NVSHMEM heap (first object)", "device (symmetric)", 0,
       "NVSHMEM_SYMMETRIC_SIZE=" + std::to_string(heapBytesFor(g)) +

@@ -36,15 +36,17 @@ enum ErrorPhase : int32_t {
 /// Per-object device state every kernel receives.
 struct DeviceState {
   char* sym;               ///< this PE's address of the object's symmetric allocation (Geometry::off*)
-  char* scratch;           ///< private device scratch (Geometry::offRoute ... offWords), zeroed at creation
+  char* scratch;           ///< private device scratch (Geometry::offRows ... offWords), zeroed at creation
   ErrorRecord* hostError;  ///< device pointer of the host-mapped error record
   uint64_t timeoutNs;      ///< bound of every device wait (EPCOMM_TIMEOUT_MS)
 };
 
-/// Dispatch send half: the routing block, then the pack-and-put blocks.
-struct DispatchSendArgs {
+/// Arguments of the dispatch kernel: the send half's fields (used when it runs the send half), then the receive
+/// half's.
+struct DispatchKernelArgs {
   Geometry g;
   DeviceState st;
+  // Send half.
   const uint8_t* x;  ///< [m, hiddenBytes], rows 16-byte aligned
   int64_t xRowStrideBytes;
   const uint8_t* xScale;  ///< [m, S] 4-byte elements, any strides, or null
@@ -54,12 +56,7 @@ struct DispatchSendArgs {
   int64_t indexStrides[2];
   uint32_t m;
   const int32_t* boundM;  ///< nullable device scalar
-};
-
-/// Dispatch receive half.
-struct DispatchRecvArgs {
-  Geometry g;
-  DeviceState st;
+  // Receive half.
   int32_t* outNumTokens;  ///< [L]
   uint8_t* outX;
   int64_t outExpertStrideBytes;  ///< 0 for packed
@@ -68,22 +65,18 @@ struct DispatchRecvArgs {
   int64_t outScaleStrideBytes[3];  ///< expert (0 for packed), row, column
 };
 
-/// Combine send half: the weights blocks, then the partial blocks.
-struct CombineSendArgs {
+/// Arguments of the combine kernel: the send half's fields, then the receive half's.
+struct CombineKernelArgs {
   Geometry g;
   DeviceState st;
+  // Send half.
   const uint8_t* y;       ///< expertY, layout of outExpertX with H elements per row
   int64_t yExpertStride;  ///< elements; 0 for packed
   int64_t yRowStride;     ///< elements
   int32_t yType;          ///< CombineType
   const float* weights;   ///< [m >= the dispatch's m, K]
   int64_t weightStrides[2];
-};
-
-/// Combine receive half.
-struct CombineRecvArgs {
-  Geometry g;
-  DeviceState st;
+  // Receive half.
   uint8_t* out;          ///< [m, H]
   int64_t outRowStride;  ///< elements
   int32_t outType;       ///< CombineType
@@ -95,13 +88,12 @@ struct CombineRecvArgs {
   int32_t accumulate;
 };
 
-/// Launchers: enqueue the half's kernels on `stream` (a cudaStream_t) and return the cudaError_t of the launch.
-int launchDispatchSend(const DispatchSendArgs& a, void* stream);
-int launchDispatchRecv(const DispatchRecvArgs& a, void* stream);
-int launchCombineSend(const CombineSendArgs& a, void* stream);
-int launchCombineRecv(const CombineRecvArgs& a, void* stream);
-/// Raises the dynamic shared-memory limit of the kernels that need more than 48 KiB for `g`; returns the
-/// cudaError_t.
+/// Launchers: enqueue one kernel that runs the call's halves on `stream` (a cudaStream_t) and return the cudaError_t
+/// of the launch. The fields of a half that does not run are not read.
+int launchDispatch(const DispatchKernelArgs& a, bool send, bool recv, void* stream);
+int launchCombine(const CombineKernelArgs& a, bool send, bool recv, void* stream);
+/// Raises the dynamic shared-memory limit of the dispatch kernels to what `g` needs, when it is lower (never lowers
+/// it: the limit is the kernel's, shared by every object of the process); returns the cudaError_t.
 int configureKernels(const Geometry& g);
 
 }  // namespace nvshmem
