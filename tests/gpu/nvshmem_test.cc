@@ -77,9 +77,12 @@ void runAll(int world, const std::vector<Scenario>& list) {
   EXPECT_TRUE(result.allOk()) << result.summary();
 }
 
+// Every case checks the combine against the exact sum: within one final rounding of an fp32 sum (the partials cross in
+// fp32 and each (token, piece) is summed in ascending rank order, once).
 Scenario base(uint32_t world) {
   Scenario s;
   s.world = world;
+  s.oneRounding = true;
   return s;
 }
 
@@ -104,8 +107,8 @@ struct LoadedObject {
 };
 
 // One rank: basic rounds, masked and repeated experts with ragged m and a device boundM in both layouts with padding,
-// every index type, split halves with accumulate; 512 experts (the routing block's tables need more than the default
-// 48 KiB of shared memory).
+// every index type, split halves with accumulate; 512 experts, and 1024 (the dispatch's ranking tables, per warp and
+// local expert, then need more than the default 48 KiB of shared memory).
 TEST(NvshmemGpu, W1Layouts) {
   REQUIRE_GPU();
   Scenario s = base(1);
@@ -125,7 +128,11 @@ TEST(NvshmemGpu, W1Layouts) {
   many.experts = 512;
   many.topK = 8;
   many.masked = true;
-  runAll(1, {base(1), s, b, c, many});
+  Scenario more = many;
+  more.experts = 1024;
+  more.split = true;
+  more.seed = 11;
+  runAll(1, {base(1), s, b, c, many, more});
 }
 
 TEST(NvshmemGpu, W2Basic) {
@@ -170,6 +177,13 @@ std::vector<Scenario> layouts(uint32_t world) {
 TEST(NvshmemGpu, W2MaskedRaggedBoundLayouts) {
   REQUIRE_GPU();
   runAll(2, layouts(2));
+}
+
+TEST(NvshmemGpu, W3MaskedRaggedBoundLayouts) {
+  REQUIRE_GPU();
+  std::vector<Scenario> list = layouts(3);
+  for (Scenario& s : list) s.experts = 24;
+  runAll(3, list);
 }
 
 TEST(NvshmemGpu, W4MaskedRaggedBoundLayouts) {
@@ -286,44 +300,101 @@ TEST(NvshmemGpu, W2ManyTokens) {
   runAll(2, list);
 }
 
-// Every payload dtype with every (expertY, outTokens) pair.
-TEST(NvshmemGpu, W2DtypeMatrix) {
-  REQUIRE_GPU();
+// Every payload dtype with every (expertY, outTokens) pair on 2 ranks; on 3 and 4 ranks every (expertY, outTokens)
+// pair once, the payload dtypes in turn.
+std::vector<Scenario> dtypeMatrix(uint32_t world, bool full) {
   std::vector<Scenario> list;
   const DType payloads[] = {DType::kFp8E4M3, DType::kBf16, DType::kF16, DType::kF32};
   const DType combine[] = {DType::kBf16, DType::kF16, DType::kF32};
   uint64_t seed = 100;
-  for (DType p : payloads) {
-    for (DType y : combine) {
-      for (DType o : combine) {
-        Scenario s = base(2);
-        s.xType = p;
-        s.scales = p == DType::kFp8E4M3;
-        s.yType = y;
-        s.outType = o;
-        s.hidden = 128;
-        s.rounds = 1;
-        s.masked = true;
-        s.seed = seed++;
-        list.push_back(s);
-      }
+  for (int pi = 0; pi < 4; ++pi) {
+    const DType p = payloads[pi];
+    for (int pair = 0; pair < 9; ++pair) {
+      if (!full && pair % 4 != pi) continue;
+      Scenario s = base(world);
+      s.experts = 8 * world;
+      s.xType = p;
+      s.scales = p == DType::kFp8E4M3;
+      s.yType = combine[pair / 3];
+      s.outType = combine[pair % 3];
+      s.hidden = 128;
+      s.rounds = 1;
+      s.masked = true;
+      s.seed = seed++;
+      list.push_back(s);
     }
   }
-  runAll(2, list);
+  return list;
 }
 
-// Two objects (micro-batches) in flight at once on two streams, each with its own symmetric buffers and rounds.
-TEST(NvshmemGpu, W2TwoObjectsInFlight) {
+TEST(NvshmemGpu, W2DtypeMatrix) {
   REQUIRE_GPU();
+  runAll(2, dtypeMatrix(2, true));
+}
+
+TEST(NvshmemGpu, W3DtypeMatrix) {
+  REQUIRE_GPU();
+  runAll(3, dtypeMatrix(3, false));
+}
+
+TEST(NvshmemGpu, W4DtypeMatrix) {
+  REQUIRE_GPU();
+  runAll(4, dtypeMatrix(4, false));
+}
+
+// Hidden sizes that end in a partial piece: the combine works in pieces of 512 elements, each with its own signal, the
+// dispatch receive in pieces of 2 KiB. H = 1028 (fp32 payload: 257 vectors, the last piece one vector; the last
+// combine piece 4 elements) and H = 1040 (fp8 with scales); fused, split, D = 2, accumulate, 40 experts per token (two
+// lanes' worth of routing entries).
+std::vector<Scenario> pieces(uint32_t world) {
+  std::vector<Scenario> list;
+  for (int v = 0; v < 4; ++v) {
+    Scenario s = base(world);
+    s.experts = (v == 3 ? 32 : 16) * world;
+    s.hidden = v % 2 == 0 ? 1028 : 1040;
+    s.xType = v % 2 == 0 ? DType::kF32 : DType::kFp8E4M3;
+    s.scales = v % 2 == 1;
+    s.yType = v == 1 ? DType::kF32 : DType::kBf16;
+    s.outType = v == 2 ? DType::kF16 : DType::kBf16;
+    s.masked = true;
+    s.deviceBound = v != 0;
+    s.split = v == 1;
+    s.accumulate = v == 2;
+    s.dp = v == 2 && world % 2 == 0 ? 2 : 1;
+    s.topK = v == 3 ? 40 : 4;
+    s.layout = v == 3 ? Layout::kPacked : Layout::kBatched;
+    s.padding = v == 3 ? 8 : 1;
+    s.rounds = 2;
+    s.seed = 400 + v;
+    list.push_back(s);
+  }
+  return list;
+}
+
+TEST(NvshmemGpu, W2Pieces) {
+  REQUIRE_GPU();
+  runAll(2, pieces(2));
+}
+
+TEST(NvshmemGpu, W4Pieces) {
+  REQUIRE_GPU();
+  runAll(4, pieces(4));
+}
+
+// Two objects (micro-batches) in flight at once on two streams, each with its own symmetric buffers and rounds; on 4
+// ranks object B's calls are split halves with the other object's calls between them.
+void twoObjectsInFlight(int world) {
   OneHostNvshmem nvshmemEnv;
   test::RunResult result = test::runRanks(
-      2,
-      [](int rank, Bootstrap& bootstrap) {
+      world,
+      [world](int rank, Bootstrap& bootstrap) {
         useRankDevice(rank);
-        Scenario sa = base(2), sb = base(2);
+        Scenario sa = base(world), sb = base(world);
+        sa.experts = sb.experts = 4 * world;
         sb.layout = Layout::kPacked;
         sb.hidden = 512;
         sb.masked = true;
+        sb.deviceBound = true;
         auto a = createAllToAll(gputest::scenarioConfig(sa, rank), bootstrap, "nvshmem");
         auto b = createAllToAll(gputest::scenarioConfig(sb, rank), bootstrap, "nvshmem");
         DeviceTensors da, db;
@@ -332,16 +403,25 @@ TEST(NvshmemGpu, W2TwoObjectsInFlight) {
         cudaStream_t s1, s2;
         ASSERT_EQ(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking), cudaSuccess);
         ASSERT_EQ(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking), cudaSuccess);
+        const bool splitB = world > 2;
         for (int round = 0; round < 3; ++round) {
           Round ra(sa, 500 + round), rb(sb, 600 + round);
           ra.upload(rank, da);
           rb.upload(rank, db);
           da.dispatch.stream = da.combine.stream = s1;
           db.dispatch.stream = db.combine.stream = s2;
+          DispatchArgs bSend = db.dispatch, bRecv = db.dispatch;
+          bSend.doRecv = false;
+          bRecv.doSend = false;
+          CombineArgs cSend = db.combine, cRecv = db.combine;
+          cSend.doRecv = false;
+          cRecv.doSend = false;
           a->dispatch(da.dispatch);
-          b->dispatch(db.dispatch);
+          b->dispatch(splitB ? bSend : db.dispatch);
+          if (splitB) b->dispatch(bRecv);
           a->combine(da.combine);
-          b->combine(db.combine);
+          b->combine(splitB ? cSend : db.combine);
+          if (splitB) b->combine(cRecv);
           a->synchronize();
           b->synchronize();
           std::string ea = ra.check(rank, da), eb = rb.check(rank, db);
@@ -355,13 +435,24 @@ TEST(NvshmemGpu, W2TwoObjectsInFlight) {
   EXPECT_TRUE(result.allOk()) << result.summary();
 }
 
+TEST(NvshmemGpu, W2TwoObjectsInFlight) {
+  REQUIRE_GPU();
+  twoObjectsInFlight(2);
+}
+
+TEST(NvshmemGpu, W4TwoObjectsInFlight) {
+  REQUIRE_GPU();
+  twoObjectsInFlight(4);
+}
+
 // Capture dispatch + combine once; replay 100 times with new inputs and a new *boundM each time. The rounds live on
-// the device, so every replay waits for the peers' new data, not the first capture's.
-void graphReplay(int world) {
+// the device, so every replay waits for the peers' new data, not the first capture's. `split`: the capture holds the
+// four halves as separate calls (each kernel's round counters advance on their own); `dp`: the DP group size.
+void graphReplay(int world, bool split = false, uint32_t dp = 1) {
   OneHostNvshmem nvshmemEnv;
   test::RunResult result = test::runRanks(
       world,
-      [world](int rank, Bootstrap& bootstrap) {
+      [world, split, dp](int rank, Bootstrap& bootstrap) {
         useRankDevice(rank);
         Scenario s = base(world);
         s.experts = 8 * world;  // a multiple of every world size
@@ -370,6 +461,9 @@ void graphReplay(int world) {
         s.ragged = false;  // m is part of the captured call; the token count varies through *boundM
         s.deviceBound = true;
         s.masked = true;
+        s.dp = dp;
+        s.layout = split ? Layout::kPacked : Layout::kBatched;
+        s.padding = split ? 4 : 1;
         auto a2a = createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "nvshmem");
         DeviceTensors dev;
         gputest::allocateDevice(s, rank, dev);
@@ -383,8 +477,21 @@ void graphReplay(int world) {
         cudaGraph_t graph;
         cudaGraphExec_t exec;
         ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-        a2a->dispatch(dev.dispatch);
-        a2a->combine(dev.combine);
+        if (split) {
+          DispatchArgs dSend = dev.dispatch, dRecv = dev.dispatch;
+          dSend.doRecv = false;
+          dRecv.doSend = false;
+          CombineArgs cSend = dev.combine, cRecv = dev.combine;
+          cSend.doRecv = false;
+          cRecv.doSend = false;
+          a2a->dispatch(dSend);
+          a2a->dispatch(dRecv);
+          a2a->combine(cSend);
+          a2a->combine(cRecv);
+        } else {
+          a2a->dispatch(dev.dispatch);
+          a2a->combine(dev.combine);
+        }
         ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
         ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
         for (int replay = 0; replay < 100; ++replay) {
@@ -409,30 +516,44 @@ TEST(NvshmemGpu, W2GraphReplay100) {
   graphReplay(2);
 }
 
+TEST(NvshmemGpu, W2GraphReplay100SplitHalves) {
+  REQUIRE_GPU();
+  graphReplay(2, true);
+}
+
 TEST(NvshmemGpu, W3GraphReplay100) {
   REQUIRE_GPU();
   graphReplay(3);
 }
 
-// Rank 1 never enters `phase` ("dispatch": it makes no call; "combine": it dispatches, then stops): rank 0 gets
-// Error(kTimeout) naming rank 1 and the phase within the timeout, the object then refuses further use, the CUDA
-// context stays usable, and both objects are destroyed cleanly.
-void peerNeverEnters(const std::string& phase) {
+TEST(NvshmemGpu, W4GraphReplay100DpGroupD2) {
+  REQUIRE_GPU();
+  graphReplay(4, false, 2);
+}
+
+// The last rank never enters `phase` ("dispatch": it makes no call; "combine": it dispatches, then stops): rank 0 gets
+// Error(kTimeout) naming that rank and the phase within the timeout, the object then refuses further use, the CUDA
+// context stays usable, and every object is destroyed cleanly. On 3 ranks (dispatch) rank 1 times out as well: every
+// dispatch-recv waits only for the senders' signals, and the one missing is the last rank's.
+void peerNeverEnters(int world, const std::string& phase) {
   OneHostNvshmem nvshmemEnv;
   ScopedEnv env({{"EPCOMM_TIMEOUT_MS", "1500"}});  // read once per process, in the children
   test::RunResult result = test::runRanks(
-      2,
+      world,
       [&](int rank, Bootstrap& bootstrap) {
         useRankDevice(rank);
-        LoadedObject o(base(2), rank, bootstrap, 77);
+        Scenario s = base(static_cast<uint32_t>(world));
+        s.experts = 8 * static_cast<uint32_t>(world);
+        LoadedObject o(s, rank, bootstrap, 77);
         auto& a2a = o.a2a;
         DeviceTensors& dev = o.dev;
+        const int missing = world - 1;
         const bool skipDispatch = phase == "dispatch";
         if (!skipDispatch) {
           a2a->dispatch(dev.dispatch);
           a2a->synchronize();
         }
-        if (rank == 0) {
+        if (rank != missing) {
           const auto start = std::chrono::steady_clock::now();
           if (skipDispatch) {
             a2a->dispatch(dev.dispatch);
@@ -445,7 +566,7 @@ void peerNeverEnters(const std::string& phase) {
           } catch (const Error& e) {
             threw = true;
             EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
-            EXPECT_NE(e.message().find("peer rank 1"), std::string::npos) << e.what();
+            EXPECT_NE(e.message().find("peer rank " + std::to_string(missing)), std::string::npos) << e.what();
             EXPECT_NE(e.message().find(phase), std::string::npos) << e.what();
           }
           const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
@@ -464,12 +585,17 @@ void peerNeverEnters(const std::string& phase) {
 
 TEST(NvshmemGpu, W2PeerNeverDispatchesTimesOut) {
   REQUIRE_GPU();
-  peerNeverEnters("dispatch");
+  peerNeverEnters(2, "dispatch");
+}
+
+TEST(NvshmemGpu, W3PeerNeverDispatchesTimesOut) {
+  REQUIRE_GPU();
+  peerNeverEnters(3, "dispatch");
 }
 
 TEST(NvshmemGpu, W2PeerNeverEntersCombineTimesOut) {
   REQUIRE_GPU();
-  peerNeverEnters("combine");
+  peerNeverEnters(2, "combine");
 }
 
 // Calls out of order are refused before anything is launched, and the object stays usable.
