@@ -3,7 +3,8 @@
 // on the node: entries and combine rows over NVLink through CUDA IPC, heads and immediates over the fabric) and = 2
 // with W = 4 (two "nodes" of two ranks: node peers over NVLink, the others over the fabric), with the control (and the
 // other node's bulk) over the libfabric provider of the test's parameter (tcp, shm). Without a GPU every GPU test
-// reports skipped; without the provider too. The choice of ranks per node is checked without a GPU.
+// reports skipped; without the provider too. The choice of ranks per node, and the channel's per-peer mark that keeps
+// node peers' bulk off the fabric, are checked without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -11,6 +12,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <regex>
 #include <string>
@@ -20,6 +22,7 @@
 #include "backends/proxy/proxy_local.hpp"
 #include "epcomm/error.hpp"
 #include "gpu_harness.hpp"
+#include "proxy/proxy_channel.hpp"
 #include "support/fabric_probe.hpp"
 #include "support/multiprocess.hpp"
 #include "support/scoped_env.hpp"
@@ -88,6 +91,71 @@ TEST(ProxyLocalSize, FromTheVariableOrTheHostNames) {
   refused(4, two, "rank 2 on 'b'");
   refused(2, mixed, "rank 1 on 'b'");
 }
+
+// ---- The channel's per-peer mark (no GPU) --------------------------------------------------------------------------
+
+// Two ranks over the parameter's provider fill their send slots (heads of 5 entries per peer, 2 private, so 3 overflow)
+// and combine rows, and run one round with ChannelOptions::bulkOverFabric empty (every peer's bulk over the fabric)
+// and all false (the peer reached another way): marked, a peer gets the head alone (no private tokens, no bulk write)
+// and a combine immediate without rows, and nothing of its entries or rows lands; unmarked, everything lands.
+class ChannelMark : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ChannelMark, MarkedPeersGetHeadsAndImmediatesOnly) {
+  SKIP_WITHOUT(GetParam());
+  ScopedEnv env({{"EPCOMM_FABRIC_PROVIDER", GetParam().c_str()}});
+  for (bool marked : {false, true}) {
+    test::RunResult result = test::runRanks(
+        2,
+        [&](int rank, Bootstrap& bootstrap) {
+          Config c;
+          c.maxNumTokens = 8;
+          c.numExperts = 4;
+          c.expertsPerToken = 2;
+          c.worldSize = 2;
+          c.rank = static_cast<uint32_t>(rank);
+          c.hiddenDim = 16;
+          c.hiddenDimBytes = 32;
+          c.hiddenDimScaleBytes = 8;
+          c.layout = Layout::kPacked;
+          proxy::ChannelOptions o;
+          o.privateTokens = 2;
+          if (marked) o.bulkOverFabric = {false, false};
+          proxy::ProxyChannel ch(c, bootstrap, o);
+          const proxy::ProtocolSizes& s = ch.sizes();
+          const uint32_t peer = 1 - static_cast<uint32_t>(rank), entries = 5;
+          for (uint32_t p = 0; p < 2; ++p) {
+            uint8_t* slot = ch.sendSlot(p);
+            for (uint32_t e = 0; e < 4; ++e) proxy::headExpertCounts(slot)[e] = 1;
+            for (uint32_t q = 0; q < 2; ++q) proxy::headEntryCounts(slot, 4)[q] = entries;
+            for (uint32_t j = 0; j < entries; ++j)
+              slot[s.headBytes + j * s.entryBytes] = static_cast<uint8_t>(16 * (rank + 1) + j);
+          }
+          ch.postDispatch();
+          ch.waitDispatch();
+          for (uint32_t j = 0; j < entries; ++j) {
+            EXPECT_EQ(ch.entry(peer, j)[0], marked ? 0 : 16 * (peer + 1) + j) << "entry " << j << ", marked " << marked;
+          }
+          const uint64_t rowBytes = 2ull * c.hiddenDim;
+          ch.combineSendBufferFor(rowBytes);
+          const uint64_t rows = ch.layout().combineRows(static_cast<uint32_t>(rank), peer);  // each expert's one row
+          ASSERT_EQ(rows, 2u);
+          std::memset(ch.combineSendRows(peer, rowBytes), rank + 1, rows * rowBytes);
+          ch.postCombine(DType::kBf16);
+          ch.waitCombine();
+          EXPECT_EQ(ch.combineRows(peer, rowBytes)[0], marked ? 0 : peer + 1) << "marked " << marked;
+          const proxy::PeerOps ops = ch.stats().peers[peer];
+          EXPECT_EQ(ops.headWrites, 1u);
+          EXPECT_EQ(ops.combineWrites, 1u);
+          EXPECT_EQ(ops.bulkWrites, marked ? 0u : 1u);
+          EXPECT_EQ(ops.bytes, marked ? s.headBytes : s.headBytes + entries * s.entryBytes + rows * rowBytes);
+        },
+        options());
+    EXPECT_TRUE(result.allOk()) << "marked " << marked << ": " << result.summary();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Providers, ChannelMark, ::testing::Values("tcp", "shm"),
+                         [](const auto& info) { return info.param; });
 
 // ---- On the GPU --------------------------------------------------------------------------------------------------
 
