@@ -2,8 +2,10 @@
 // backend's CPU loops. Kernels pack and unpack the proxy channel's buffers, which are pinned host memory mapped into
 // the GPU (the staging path of providers without FI_HMEM: tcp, shm); one proxy thread per object follows flags the
 // kernels write into host-mapped memory, runs the channel's exchanges over the TransferEngine and announces arrivals
-// the same way. Calls are stream-ordered, never synchronise the host, and replay in CUDA graphs (the proxy thread
-// serves rounds on its own). docs/proxy.md has the design.
+// the same way. Peers on this rank's node (EPCOMM_PROXY_LOCAL_SIZE) get their entries and combine rows GPU to GPU over
+// NVLink instead (CUDA IPC regions, proxy_local.hpp); only their control goes through the channel. Calls are
+// stream-ordered, never synchronise the host, and replay in CUDA graphs (the proxy thread serves rounds on its own).
+// docs/proxy.md has the design.
 #pragma once
 
 #include <memory>
