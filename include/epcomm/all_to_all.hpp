@@ -27,9 +27,11 @@ struct DispatchArgs {
   TensorView outExpertX;
   /// Batched [L, R, S] or packed [P, S], any strides; required iff hiddenDimScaleBytes > 0.
   TensorView outExpertXScale;
-  /// [m, hiddenDimBytes / itemsize], any dtype, rows contiguous inside, row stride a multiple of 16 bytes.
+  /// [m, hiddenDimBytes / itemsize], any dtype, rows contiguous inside, row stride a multiple of 16 bytes. With
+  /// Config::dispatchCast: bf16 [m, hiddenDim] (the dispatch casts it; outExpertX is then fp8_e4m3).
   TensorView x;
-  /// [m, S] fp32 (or any 4-byte dtype), any strides; required iff hiddenDimScaleBytes > 0.
+  /// [m, S] fp32 (or any 4-byte dtype), any strides; required iff hiddenDimScaleBytes > 0, except with
+  /// Config::dispatchCast, which computes the scales (xScale is then not given; outExpertXScale is fp32).
   TensorView xScale;
   /// [m, K] int32 / uint32 / int64, any strides. -1 (all ones for uint32) = masked.
   TensorView indices;
@@ -120,6 +122,11 @@ TransferStats transferStats(const AllToAll& a2a);
 
 /// Backends this build contains, in preference order ("nvlink", "nvshmem", "proxy", "host").
 std::vector<std::string> builtBackends();
+
+/// Backends whose dispatch applies Config::dispatchCast ("nvlink", "host"), whether built or not. The others
+/// (nvshmem, proxy) create such an object but refuse its dispatch with Error(kUnavailable): create it with
+/// DispatchCast::kNone and cast x first (reference::castFp8Blocks on the CPU, or a kernel of the caller's).
+std::vector<std::string> dispatchCastBackends();
 
 /// Creates an AllToAll on `backend` ("auto": the first built backend the machine can run, e.g. nvlink when all
 /// ranks see GPUs on one node, host without GPUs). Collective over `bootstrap`. Throws kNotBuilt for a backend

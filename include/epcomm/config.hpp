@@ -19,6 +19,32 @@ enum class Layout : int {
 /// "batched" / "packed".
 const char* layoutName(Layout layout);
 
+/// Elements per scale of the dispatch's fp8 casts (DeepEP's block).
+constexpr uint32_t kFp8CastBlock = 128;
+
+/// A conversion the dispatch applies to every token on its way from x to outExpertX (DeepEP's low-latency dispatch
+/// with use_fp8): the sender reads x in one format and the receivers get another, with no separate cast before the
+/// dispatch. Every rank must give the same value (it is part of the config check at construction).
+enum class DispatchCast : int {
+  /// x's bytes travel as they are: x is [m, hiddenDimBytes / itemsize] of any dtype, xScale as configured.
+  kNone = 0,
+  /// x is bf16 [m, hiddenDim]; each block of kFp8CastBlock (128) elements of a token arrives as fp8 e4m3 with one
+  /// fp32 scale: amax = max(max |x| over the block, 1e-4), scale = amax / 448, fp8 = e4m3(x * (448 / amax)) (IEEE
+  /// division and product, round to nearest even), so x ~ fp8 * scale. outExpertX is fp8_e4m3 and outExpertXScale
+  /// fp32, bit for bit what reference::castFp8Blocks followed by a dispatch of its output gives (for finite x; a NaN
+  /// element gives an fp8 NaN whose sign bit may differ). Requires hiddenDim % 128 == 0, hiddenDimBytes == hiddenDim
+  /// and hiddenDimScaleBytes == hiddenDim / 128 * 4; xScale is not given. Applied by the nvlink backend (inside the
+  /// dispatch kernel's send half) and the host backend (dispatchCastBackends()); the others refuse the dispatch with
+  /// Error(kUnavailable).
+  kFp8Blocks = 1,
+  /// kFp8Blocks with each scale rounded up to a power of two (DeepEP's round_scale): scale = 2^ceil(log2(amax / 448)),
+  /// fp8 = e4m3(x * (1 / scale)), the product exact in its exponent.
+  kFp8BlocksPow2 = 2,
+};
+
+/// "none" / "fp8_blocks" / "fp8_blocks_pow2".
+const char* dispatchCastName(DispatchCast cast);
+
 /// Everything that sizes an AllToAll object. Plain data; `validate()` checks it.
 ///
 /// Experts are placed in contiguous blocks: rank r holds experts [r*L, (r+1)*L) with L = numExperts / worldSize.
@@ -35,6 +61,8 @@ struct Config {
   uint32_t hiddenDimScaleBytes = 0;  ///< Dispatch scale bytes per token (0 = no scales), multiple of 4.
   uint32_t expertPadding = 1;        ///< Row alignment of each expert's segment (power of two).
   Layout layout = Layout::kBatched;  ///< Layout of outExpertX / expertY.
+  /// Cast the dispatch applies to each token (DeepEP's fp8 cast inside the dispatch); see DispatchCast.
+  DispatchCast dispatchCast = DispatchCast::kNone;
 
   /// Throws Error(kInvalidConfig) naming the first bad field and its value.
   void validate() const;
@@ -58,7 +86,8 @@ struct Config {
   /// a count that is negative or does not fit the layout.
   std::vector<uint64_t> expertRowOffsets(const int32_t* numTokens) const;
 
-  /// One-line description: "E=256 K=8 H=7168 bytes=7168 scale=224 T=128 W=8 D=1 pad=1 batched rank=0".
+  /// One-line description: "E=256 K=8 H=7168 bytes=7168 scale=224 T=128 W=8 D=1 pad=1 batched rank=0" (with
+  /// " cast=fp8_blocks" before the rank when the dispatch casts).
   std::string toString() const;
 };
 

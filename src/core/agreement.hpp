@@ -32,7 +32,7 @@ struct AgreedSetting {
 void checkSettingsAgree(Bootstrap& bootstrap, const std::string& what, const std::vector<AgreedSetting>& settings);
 
 /// The settings of `config` that every rank must agree on: every field but `rank`, named as in the Python API
-/// (max_num_tokens, num_experts, ..., layout).
+/// (max_num_tokens, num_experts, ..., layout, dispatch_cast).
 std::vector<AgreedSetting> configSettings(const Config& config);
 
 /// The first difference between two ranks' settings, or "" when they agree: "<name> is <a> on rank <rankA> but <b>

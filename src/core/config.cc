@@ -19,6 +19,18 @@ const char* layoutName(Layout layout) {
   return "invalid";
 }
 
+const char* dispatchCastName(DispatchCast cast) {
+  switch (cast) {
+    case DispatchCast::kNone:
+      return "none";
+    case DispatchCast::kFp8Blocks:
+      return "fp8_blocks";
+    case DispatchCast::kFp8BlocksPow2:
+      return "fp8_blocks_pow2";
+  }
+  return "invalid";
+}
+
 void Config::validate() const {
   const std::string self = " (config: " + toString() + ")";
   EPCOMM_CHECK(worldSize > 0, kInvalidConfig, "worldSize must be > 0, got 0" << self);
@@ -49,6 +61,26 @@ void Config::validate() const {
                "expertPadding " << expertPadding << " is not a power of two" << self);
   EPCOMM_CHECK(layout == Layout::kBatched || layout == Layout::kPacked, kInvalidConfig,
                "layout " << static_cast<int>(layout) << " is not batched (0) or packed (1)" << self);
+  EPCOMM_CHECK(dispatchCast == DispatchCast::kNone || dispatchCast == DispatchCast::kFp8Blocks ||
+                   dispatchCast == DispatchCast::kFp8BlocksPow2,
+               kInvalidConfig,
+               "dispatchCast " << static_cast<int>(dispatchCast)
+                               << " is not none (0), fp8_blocks (1) or fp8_blocks_pow2 (2)" << self);
+  if (dispatchCast != DispatchCast::kNone) {
+    // The wire format is the fp8 dispatch's: one byte per element, then one fp32 scale per block.
+    const char* cast = dispatchCastName(dispatchCast);
+    EPCOMM_CHECK(hiddenDim % kFp8CastBlock == 0, kInvalidConfig,
+                 "dispatchCast = " << cast << " needs hiddenDim % " << kFp8CastBlock
+                                   << " == 0, got hiddenDim = " << hiddenDim << self);
+    EPCOMM_CHECK(hiddenDimBytes == hiddenDim, kInvalidConfig,
+                 "dispatchCast = " << cast << " sends fp8 e4m3: hiddenDimBytes must be hiddenDim = " << hiddenDim
+                                   << ", got " << hiddenDimBytes << self);
+    EPCOMM_CHECK(hiddenDimScaleBytes == hiddenDim / kFp8CastBlock * 4, kInvalidConfig,
+                 "dispatchCast = " << cast << " sends one fp32 scale per " << kFp8CastBlock
+                                   << " elements: hiddenDimScaleBytes must be hiddenDim / " << kFp8CastBlock
+                                   << " * 4 = " << hiddenDim / kFp8CastBlock * 4 << ", got " << hiddenDimScaleBytes
+                                   << self);
+  }
   EPCOMM_CHECK(totalExpertRows() < (1ull << 31), kInvalidConfig,
                "maxNumTokens " << maxNumTokens << " x worldSize / dpSize gives " << totalExpertRows()
                                << " rows per rank, over the int32 limit" << self);
@@ -93,7 +125,9 @@ std::string Config::toString() const {
   std::ostringstream oss;
   oss << "E=" << numExperts << " K=" << expertsPerToken << " H=" << hiddenDim << " bytes=" << hiddenDimBytes
       << " scale=" << hiddenDimScaleBytes << " T=" << maxNumTokens << " W=" << worldSize << " D=" << dpSize
-      << " pad=" << expertPadding << " " << layoutName(layout) << " rank=" << rank;
+      << " pad=" << expertPadding << " " << layoutName(layout);
+  if (dispatchCast != DispatchCast::kNone) oss << " cast=" << dispatchCastName(dispatchCast);
+  oss << " rank=" << rank;
   return oss.str();
 }
 
@@ -238,6 +272,7 @@ std::vector<AgreedSetting> configSettings(const Config& c) {
       {"hidden_dim_scale_bytes", std::to_string(c.hiddenDimScaleBytes)},
       {"expert_padding", std::to_string(c.expertPadding)},
       {"layout", layoutName(c.layout)},
+      {"dispatch_cast", dispatchCastName(c.dispatchCast)},
   };
 }
 

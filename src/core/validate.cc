@@ -1,6 +1,7 @@
 #include "core/validate.hpp"
 
 #include <string>
+#include <vector>
 
 #include "epcomm/error.hpp"
 
@@ -112,9 +113,21 @@ int indexKindOf(DType dtype) {
   EPCOMM_THROW(kInvalidArgument, "indices must be int32, uint32 or int64, got " << dtypeName(dtype));
 }
 
-CheckedDispatch checkDispatchArgs(const Config& c, const DispatchArgs& a, MemoryKind memory, int device) {
+std::vector<std::string> dispatchCastBackends() { return {"nvlink", "host"}; }
+
+CheckedDispatch checkDispatchArgs(const Config& c, const DispatchArgs& a, MemoryKind memory, int device,
+                                  bool appliesCast) {
   CheckedDispatch out;
   EPCOMM_CHECK(a.doSend || a.doRecv, kInvalidArgument, "dispatch called with doSend = doRecv = false");
+  // The cast: the sender's x is bf16 [m, H]; the wire and the outputs are the fp8 dispatch's (Config::validate
+  // checked hiddenDimBytes = H and the scale bytes), with the scales computed instead of given.
+  const bool cast = c.dispatchCast != DispatchCast::kNone;
+  const char* castName = dispatchCastName(c.dispatchCast);
+  EPCOMM_CHECK(!cast || appliesCast, kUnavailable,
+               "config.dispatchCast = " << castName
+                                        << ": the proxy and nvshmem backends do not cast in their dispatch (nvlink and "
+                                           "host do); create the object with dispatchCast = none and dispatch fp8 x "
+                                           "with its scales, cast beforehand (reference::castFp8Blocks on the CPU)");
   const bool wantScale = c.hiddenDimScaleBytes > 0;
   const int64_t scaleCols = c.hiddenDimScaleBytes / 4;
   if (a.doSend) {
@@ -124,9 +137,16 @@ CheckedDispatch checkDispatchArgs(const Config& c, const DispatchArgs& a, Memory
     EPCOMM_CHECK(item > 0, kInvalidArgument, "x has an invalid dtype");
     EPCOMM_CHECK(a.x.shape[0] <= c.maxNumTokens, kInvalidArgument,
                  "x has " << a.x.shape[0] << " tokens, more than maxNumTokens = " << c.maxNumTokens);
-    EPCOMM_CHECK(a.x.shape[1] * item == c.hiddenDimBytes, kInvalidArgument,
-                 "x rows are " << a.x.shape[1] * item << " bytes (" << a.x.toString()
-                               << ") but hiddenDimBytes = " << c.hiddenDimBytes);
+    if (cast) {
+      EPCOMM_CHECK(a.x.dtype == DType::kBf16, kInvalidArgument,
+                   "x must be bf16 with config.dispatchCast = " << castName << " (the dispatch casts it to fp8), got "
+                                                                << a.x.toString());
+      checkDim("x", a.x, 1, c.hiddenDim, "hiddenDim H: the dispatch casts bf16 x");
+    } else {
+      EPCOMM_CHECK(a.x.shape[1] * item == c.hiddenDimBytes, kInvalidArgument,
+                   "x rows are " << a.x.shape[1] * item << " bytes (" << a.x.toString()
+                                 << ") but hiddenDimBytes = " << c.hiddenDimBytes);
+    }
     checkInnerContiguous("x", a.x);
     checkAligned("x", a.x, 16);
     out.m = static_cast<uint32_t>(a.x.shape[0]);
@@ -136,7 +156,10 @@ CheckedDispatch checkDispatchArgs(const Config& c, const DispatchArgs& a, Memory
     out.indexKind = indexKindOf(a.indices.dtype);
     out.indexStrides[0] = a.indices.strides[0];
     out.indexStrides[1] = a.indices.strides[1];
-    if (wantScale) {
+    if (cast) {
+      EPCOMM_CHECK(!a.xScale.defined(), kInvalidArgument,
+                   "xScale given but config.dispatchCast = " << castName << " computes the scales: pass none");
+    } else if (wantScale) {
       EPCOMM_CHECK(a.xScale.defined(), kInvalidArgument,
                    "xScale is required: hiddenDimScaleBytes = " << c.hiddenDimScaleBytes);
       checkMemory("xScale", a.xScale, memory, device);
@@ -166,6 +189,9 @@ CheckedDispatch checkDispatchArgs(const Config& c, const DispatchArgs& a, Memory
                                                          << "); dispatch moves bytes: any dtype of 1, 2 or 4 bytes "
                                                             "(uint8, fp8, bf16, fp16, fp32, int32) whose rows hold "
                                                             "hiddenDimBytes");
+    EPCOMM_CHECK(!cast || a.outExpertX.dtype == DType::kFp8E4M3, kInvalidArgument,
+                 "outExpertX must be fp8_e4m3 with config.dispatchCast = " << castName << ", got "
+                                                                           << dtypeName(a.outExpertX.dtype));
     EPCOMM_CHECK(c.hiddenDimBytes % item == 0, kInvalidArgument,
                  "outExpertX has dtype " << dtypeName(a.outExpertX.dtype) << " (" << item
                                          << " bytes), which does not divide hiddenDimBytes = " << c.hiddenDimBytes);
@@ -184,6 +210,9 @@ CheckedDispatch checkDispatchArgs(const Config& c, const DispatchArgs& a, Memory
       checkMemory("outExpertXScale", a.outExpertXScale, memory, device);
       EPCOMM_CHECK(dtypeSize(a.outExpertXScale.dtype) == 4, kInvalidArgument,
                    "outExpertXScale must have a 4-byte dtype (fp32), got " << a.outExpertXScale.toString());
+      EPCOMM_CHECK(!cast || a.outExpertXScale.dtype == DType::kF32, kInvalidArgument,
+                   "outExpertXScale must be fp32 with config.dispatchCast = " << castName << ", got "
+                                                                              << a.outExpertXScale.toString());
       checkExpertTensor(c, "outExpertXScale", a.outExpertXScale, scaleCols, "hiddenDimScaleBytes / 4");
       for (int d = 0; d < a.outExpertXScale.ndim; ++d) out.outScaleStrides[d] = a.outExpertXScale.strides[d];
     } else {

@@ -12,8 +12,8 @@ struct CheckedDispatch {
   uint32_t m = 0;     ///< Tokens given (x.shape[0]).
   int indexKind = 0;  ///< 0 int32, 1 uint32, 2 int64 (see decodeIndex).
   int64_t indexStrides[2] = {0, 0};
-  int64_t xRowStrideBytes = 0;
-  int64_t scaleStrides[2] = {0, 0};        ///< xScale strides in 4-byte elements.
+  int64_t xRowStrideBytes = 0;             ///< x row stride (bf16 rows with Config::dispatchCast).
+  int64_t scaleStrides[2] = {0, 0};        ///< xScale strides in 4-byte elements (0 with Config::dispatchCast).
   int64_t outRowStrideBytes = 0;           ///< outExpertX row stride.
   int64_t outExpertStrideBytes = 0;        ///< outExpertX expert stride (batched), 0 packed.
   int64_t outScaleStrides[3] = {0, 0, 0};  ///< outExpertXScale strides (batched: expert, row, col; packed: row, col).
@@ -30,8 +30,12 @@ struct CheckedCombine {
 };
 
 /// Throws Error(kInvalidArgument) naming the argument and what is wrong. `memory`: where the backend needs
-/// tensors to live (host or CUDA device `device`).
-CheckedDispatch checkDispatchArgs(const Config& config, const DispatchArgs& args, MemoryKind memory, int device);
+/// tensors to live (host or CUDA device `device`). `appliesCast`: the backend's dispatch applies
+/// Config::dispatchCast (nvlink, host: dispatchCastBackends()); then x must be bf16 [m, hiddenDim], xScale absent,
+/// outExpertX fp8_e4m3 and outExpertXScale fp32. A backend that does not (the default) refuses a config with a cast
+/// with Error(kUnavailable).
+CheckedDispatch checkDispatchArgs(const Config& config, const DispatchArgs& args, MemoryKind memory, int device,
+                                  bool appliesCast = false);
 CheckedCombine checkCombineArgs(const Config& config, const CombineArgs& args, MemoryKind memory, int device);
 
 /// The router weights of a combine's send half, for the backends whose send half applies them (nvlink, nvshmem: each

@@ -1,9 +1,7 @@
 // reference::castFp8Blocks: the per-block fp8 e4m3 cast of DeepEP's low-latency dispatch, on the CPU.
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
 
-#include "core/dtype_convert.hpp"
+#include "core/fp8_cast.hpp"
 #include "epcomm/error.hpp"
 #include "epcomm/reference.hpp"
 
@@ -11,10 +9,6 @@ namespace epcomm {
 namespace reference {
 
 namespace {
-
-// The largest finite fp8 e4m3 ("fn") value, and the floor of a block's amax (an all-zero block gets a finite scale).
-constexpr float kFp8Max = 448.0f;
-constexpr float kMinAmax = 1e-4f;
 
 void checkHost2d(const char* name, const TensorView& t, int64_t rows, int64_t cols) {
   EPCOMM_CHECK(t.data != nullptr || rows * cols == 0, kInvalidArgument, name << " has a null data pointer");
@@ -47,24 +41,11 @@ void castFp8Blocks(const TensorView& x, const TensorView& out, const TensorView&
       "x and out must be contiguous in their last dimension, got " << x.toString() << " and " << out.toString());
   float* s = static_cast<float*>(scales.data);
   uint8_t* q = static_cast<uint8_t*>(out.data);
+  const int64_t itemBytes = dtypeSize(x.dtype);
   for (int64_t t = 0; t < m; ++t) {
-    const int64_t xRow = t * x.strides[0];
-    for (int64_t b = 0; b < H / blockSize; ++b) {
-      const int64_t h0 = b * blockSize;
-      float amax = kMinAmax;
-      for (int64_t h = h0; h < h0 + blockSize; ++h)
-        amax = std::max(amax, std::fabs(loadAsFloat(x.dtype, x.data, xRow + h)));
-      float scale = amax / kFp8Max;
-      float inv = kFp8Max / amax;
-      if (roundScale) {
-        scale = std::exp2(std::ceil(std::log2(scale)));
-        inv = 1.0f / scale;  // exact: a power of two
-      }
-      s[t * scales.strides[0] + b * scales.strides[1]] = scale;
-      for (int64_t h = h0; h < h0 + blockSize; ++h) {
-        q[t * out.strides[0] + h] = floatToFp8E4M3(loadAsFloat(x.dtype, x.data, xRow + h) * inv);
-      }
-    }
+    castFp8Row(x.dtype, static_cast<const char*>(x.data) + t * x.strides[0] * itemBytes, static_cast<uint32_t>(H),
+               roundScale, q + t * out.strides[0], s + t * scales.strides[0], scales.strides[1],
+               static_cast<uint32_t>(blockSize));
   }
 }
 

@@ -4,8 +4,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "core/dtype_convert.hpp"
+#include "core/fp8_cast.hpp"
 #include "core/layout.hpp"
 #include "core/validate.hpp"
 #include "epcomm/error.hpp"
@@ -129,13 +131,46 @@ void dispatch(const Config& config, const std::vector<DispatchArgs>& args) {
   for (uint32_t r = 0; r < W; ++r) {
     DispatchArgs a = args[r];
     a.doSend = a.doRecv = true;
-    checked[r] = checkDispatchArgs(c, a, MemoryKind::kHost, -1);
+    checked[r] = checkDispatchArgs(c, a, MemoryKind::kHost, -1, /*appliesCast=*/true);
     indices[r] = a.indices;
     bounds[r] = effectiveBound(a.boundM, checked[r].m, r, "dispatch");
   }
   const Routing routing = buildRouting(c, indices, bounds);
   const uint64_t rowsPerExpert = c.batchedRowsPerExpert();
   const uint32_t scaleCols = c.hiddenDimScaleBytes / 4;
+  // Each rank's tokens as they travel: x and xScale, or with Config::dispatchCast x cast first (castFp8Row, the cast
+  // of reference::castFp8Blocks), into contiguous fp8 rows and scales.
+  struct Sent {
+    const char* x;
+    int64_t xRowStrideBytes;
+    const uint32_t* scales;
+    int64_t scaleStrides[2];
+    std::vector<uint8_t> castX;
+    std::vector<float> castScales;
+  };
+  std::vector<Sent> sent(W);
+  for (uint32_t r = 0; r < W; ++r) {
+    Sent& s = sent[r];
+    s.x = static_cast<const char*>(args[r].x.data);
+    s.xRowStrideBytes = checked[r].xRowStrideBytes;
+    s.scales = static_cast<const uint32_t*>(args[r].xScale.data);
+    s.scaleStrides[0] = checked[r].scaleStrides[0];
+    s.scaleStrides[1] = checked[r].scaleStrides[1];
+    if (c.dispatchCast == DispatchCast::kNone) continue;
+    const uint32_t m = checked[r].m;
+    s.castX.resize(static_cast<size_t>(m) * c.hiddenDimBytes);
+    s.castScales.resize(static_cast<size_t>(m) * scaleCols);
+    for (uint32_t t = 0; t < m; ++t) {
+      castFp8Row(DType::kBf16, s.x + t * s.xRowStrideBytes, c.hiddenDim, castPow2(c.dispatchCast),
+                 s.castX.data() + static_cast<size_t>(t) * c.hiddenDimBytes,
+                 s.castScales.data() + static_cast<size_t>(t) * scaleCols, 1);
+    }
+    s.x = reinterpret_cast<const char*>(s.castX.data());
+    s.xRowStrideBytes = c.hiddenDimBytes;
+    s.scales = reinterpret_cast<const uint32_t*>(s.castScales.data());
+    s.scaleStrides[0] = scaleCols;
+    s.scaleStrides[1] = 1;
+  }
 
   for (uint32_t r = 0; r < W; ++r) {
     const DispatchArgs& out = args[r];
@@ -148,21 +183,20 @@ void dispatch(const Config& config, const std::vector<DispatchArgs>& args) {
         // Batched rows are addressed as (expert, row within expert) so that any expert stride works.
         const int64_t expertIdx = c.layout == Layout::kBatched ? static_cast<int64_t>(row / rowsPerExpert) : 0;
         const int64_t rowIdx = c.layout == Layout::kBatched ? static_cast<int64_t>(row % rowsPerExpert) : row;
-        const DispatchArgs& in = args[rows[i].srcRank];
-        const CheckedDispatch& ic = checked[rows[i].srcRank];
+        const Sent& in = sent[rows[i].srcRank];
         const int64_t t = rows[i].token;
-        const char* src = static_cast<const char*>(in.x.data) + t * ic.xRowStrideBytes;
+        const char* src = in.x + t * in.xRowStrideBytes;
         char* dst = static_cast<char*>(out.outExpertX.data) + expertIdx * oc.outExpertStrideBytes +
                     rowIdx * oc.outRowStrideBytes;
         std::memcpy(dst, src, c.hiddenDimBytes);
         if (scaleCols == 0) continue;
-        const uint32_t* s = static_cast<const uint32_t*>(in.xScale.data);
+        const uint32_t* s = in.scales;
         uint32_t* d = static_cast<uint32_t*>(out.outExpertXScale.data);
         const int64_t* os = oc.outScaleStrides;
         for (uint32_t j = 0; j < scaleCols; ++j) {
           const int64_t dOff = c.layout == Layout::kBatched ? expertIdx * os[0] + rowIdx * os[1] + j * os[2]
                                                             : rowIdx * os[0] + j * os[1];
-          d[dOff] = s[t * ic.scaleStrides[0] + j * ic.scaleStrides[1]];
+          d[dOff] = s[t * in.scaleStrides[0] + j * in.scaleStrides[1]];
         }
       }
     }

@@ -46,13 +46,13 @@ void HostAllToAll::dispatch(const DispatchArgs& args) {
   const proxy::ProtocolSizes& s = channel_->sizes();
   CheckedDispatch checked;
   try {
-    checked = checkDispatchArgs(config_, args, MemoryKind::kHost, -1);
+    checked = checkDispatchArgs(config_, args, MemoryKind::kHost, -1, /*appliesCast=*/true);
     if (args.doSend) {
       // Everything that can refuse the call runs before anything is posted: a refused call sends nothing.
       std::vector<uint8_t*> slots(s.worldSize);
       for (uint32_t p = 0; p < s.worldSize; ++p) slots[p] = channel_->sendSlot(p);
       const uint32_t bound = boundOf(args.boundM, checked.m, "dispatch");
-      DispatchSendParams params{&s, &args, checked, bound, slots.data()};
+      DispatchSendParams params{&s, &args, checked, bound, slots.data(), config_.dispatchCast};
       dispatchSendKernel(params);
       routingDigest_ = routingDigestOf(args.indices.data, checked.indexKind, checked.indexStrides[0],
                                        checked.indexStrides[1], config_.expertsPerToken, bound);

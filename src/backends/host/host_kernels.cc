@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "core/dtype_convert.hpp"
+#include "core/fp8_cast.hpp"
 #include "core/layout.hpp"
 #include "epcomm/error.hpp"
 
@@ -124,11 +125,23 @@ void dispatchSendKernel(const DispatchSendParams& p) {
       }
       les[o * K + numLes[o]++] = static_cast<uint16_t>(ue % L);
     }
+    const uint8_t* castEntry = nullptr;  // the token's first entry, which holds its cast payload and scales
     for (uint32_t o = 0; o < numOwners; ++o) {
       const uint32_t dst = owners[o];
       uint8_t* entry = p.sendSlots[dst] + s.headBytes + static_cast<uint64_t>(entryCounts[dst]++) * s.entryBytes;
-      std::memcpy(entry, x + t * p.checked.xRowStrideBytes, s.payloadBytes);
-      if (scaleCols > 0) {
+      if (p.cast != DispatchCast::kNone) {
+        // Cast once per token (the scales follow the payload in the entry), copied into its other entries.
+        if (castEntry == nullptr) {
+          castFp8Row(DType::kBf16, x + t * p.checked.xRowStrideBytes, static_cast<uint32_t>(s.payloadBytes),
+                     castPow2(p.cast), entry, reinterpret_cast<float*>(entry + s.payloadBytes), 1);
+          castEntry = entry;
+        } else {
+          std::memcpy(entry, castEntry, s.payloadBytes + 4ull * scaleCols);
+        }
+      } else {
+        std::memcpy(entry, x + t * p.checked.xRowStrideBytes, s.payloadBytes);
+      }
+      if (scaleCols > 0 && p.cast == DispatchCast::kNone) {
         // Contiguous scale columns (the usual case): one copy instead of a strided load per scale.
         uint32_t* scales = reinterpret_cast<uint32_t*>(entry + s.payloadBytes);
         const uint32_t* srcScales = xs + t * p.checked.scaleStrides[0];

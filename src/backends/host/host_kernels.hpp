@@ -14,7 +14,9 @@ namespace host {
 
 /// Dispatch-send: range-check the indices of every token < boundM (each rank of a DP group checks the same
 /// tokens, so all of them report a bad index), count this rank's tokens per expert and per destination rank, and
-/// pack one entry per (token, destination rank) into the destination's send slot after the head.
+/// pack one entry per (token, destination rank) into the destination's send slot after the head. With a cast
+/// (Config::dispatchCast) the entry's payload and scales are the token's bf16 row cast to fp8 (castFp8Row), once per
+/// token.
 struct DispatchSendParams {
   const proxy::ProtocolSizes* sizes;
   const DispatchArgs* args;
@@ -22,6 +24,7 @@ struct DispatchSendParams {
   uint32_t boundM;
   /// sendSlots[p]: send slot of rank p (sizes->sendSlotBytes).
   uint8_t* const* sendSlots;
+  DispatchCast cast = DispatchCast::kNone;
 };
 void dispatchSendKernel(const DispatchSendParams& p);
 
