@@ -140,6 +140,8 @@ __device__ __forceinline__ void unpack16(const int4 v, float* f) {
 // product and sum rounded separately (no FMA: the reference's operations), rounded once to the output type. y(t,k) is
 // the row of (t, k) in its owner's message: rowBase[d][e] (the owner's rows of e from the group's senders before d) +
 // the row the dispatch gave (t, k) among its sender's rows of e (the route kernel's pos).
+constexpr uint32_t kTermBatch = 8;
+
 template <int kY, int kOut>
 __global__ void __launch_bounds__(kSumThreads) combineRecvKernel(const CombineRecvArgs a) {
   const DeviceState& st = a.st;
@@ -220,14 +222,24 @@ __global__ void __launch_bounds__(kSumThreads) combineRecvKernel(const CombineRe
 #pragma unroll
         for (uint32_t i = 0; i < kVec; ++i)
           acc[i] = a.accumulate ? loadOut<kOut>(out + (h0 + i) * itemOf<kOut>()) : 0.f;
-        for (uint32_t k = 0; k < K; ++k) {
-          const uint8_t* y = termRow[k];
-          if (y == nullptr) continue;
-          float f[kVec];
-          unpack16<kY>(ldVolatile16(y + static_cast<uint64_t>(h0) * itemOf<kY>()), f);
-          const float wk = termW[k];
+        // kTermBatch terms' loads in flight at once (host memory is a PCIe round trip away), then their sums in k
+        // order.
+        for (uint32_t k0 = 0; k0 < K; k0 += kTermBatch) {
+          int4 v[kTermBatch];
 #pragma unroll
-          for (uint32_t i = 0; i < kVec; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(wk, f[i]));
+          for (uint32_t j = 0; j < kTermBatch; ++j) {
+            const uint8_t* y = k0 + j < K ? termRow[k0 + j] : nullptr;
+            if (y != nullptr) v[j] = ldVolatile16(y + static_cast<uint64_t>(h0) * itemOf<kY>());
+          }
+#pragma unroll
+          for (uint32_t j = 0; j < kTermBatch; ++j) {
+            if (k0 + j >= K || termRow[k0 + j] == nullptr) continue;
+            float f[kVec];
+            unpack16<kY>(v[j], f);
+            const float wk = termW[k0 + j];
+#pragma unroll
+            for (uint32_t i = 0; i < kVec; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(wk, f[i]));
+          }
         }
 #pragma unroll
         for (uint32_t i = 0; i < kVec; ++i) storeOut<kOut>(out + (h0 + i) * itemOf<kOut>(), acc[i]);

@@ -311,10 +311,13 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRankKernel(const Dispatc
     const uint32_t first = ldVolatileU32(tables + tg.offSlotOffset + le * (W + 1) + src);
     const uint32_t next = ldVolatileU32(tables + tg.offSlotOffset + le * (W + 1) + src + 1);
     uint32_t run = ldVolatileU32(tables + tg.offOutputRowBase + le) + first;
+    uint32_t c[kRankWarps];  // every load first: one memory round trip, not kRankWarps dependent ones
+#pragma unroll
+    for (uint32_t v = 0; v < kRankWarps; ++v) c[v] = hist[v * L + le];
+#pragma unroll
     for (uint32_t v = 0; v < kRankWarps; ++v) {
-      const uint32_t c = hist[v * L + le];
       hist[v * L + le] = run;
-      run += c;
+      run += c[v];
     }
     const uint32_t got = run - first - ldVolatileU32(tables + tg.offOutputRowBase + le);
     if (got != next - first) {
@@ -331,6 +334,8 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRankKernel(const Dispatc
   }
   lastBlock(st, kSeqDispatchRecv, [&] { *seqWord(st, kSeqDispatchRecv) = round + 1; });
 }
+
+constexpr uint32_t kCopyBatch = 4;
 
 // Many blocks: one warp per received entry copies its payload and scales from host memory (fabric senders) or this
 // rank's region (node senders) into each of its rows.
@@ -357,13 +362,24 @@ __global__ void __launch_bounds__(kCopyThreads) dispatchCopyKernel(const Dispatc
     const uint8_t* entry = entryAt(a, src, j, tables[tg.offOverflowStart + src]);
     const uint32_t count = *entryCountOf(a, src, j);
     const uint32_t* rows = rowsOf(a, src, j);
-    for (uint64_t off = lane * 16ull; off < s.payloadBytes; off += 32 * 16) {
-      const int4 v = ldVolatile16(entry + off);
+    // kCopyBatch loads per lane in flight before their stores (the entry may be a PCIe round trip away).
+    for (uint64_t base = lane * 16ull; base < s.payloadBytes; base += kCopyBatch * 32 * 16) {
+      int4 v[kCopyBatch];
+#pragma unroll
+      for (uint32_t q = 0; q < kCopyBatch; ++q) {
+        const uint64_t off = base + q * 32 * 16;
+        if (off < s.payloadBytes) v[q] = ldVolatile16(entry + off);
+      }
       for (uint32_t i = 0; i < count; ++i) {
         const uint64_t r = rows[i];
         const int64_t e = batched ? static_cast<int64_t>(r / R) : 0;
         const int64_t rr = batched ? static_cast<int64_t>(r % R) : static_cast<int64_t>(r);
-        st16(a.outX + e * a.outExpertStrideBytes + rr * a.outRowStrideBytes + off, v);
+        uint8_t* row = a.outX + e * a.outExpertStrideBytes + rr * a.outRowStrideBytes;
+#pragma unroll
+        for (uint32_t q = 0; q < kCopyBatch; ++q) {
+          const uint64_t off = base + q * 32 * 16;
+          if (off < s.payloadBytes) st16(row + off, v[q]);
+        }
       }
     }
     for (uint32_t c = lane; c < scaleWords; c += 32) {

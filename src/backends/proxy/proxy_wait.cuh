@@ -235,11 +235,14 @@ __device__ __forceinline__ void warpChunk(uint32_t n, uint32_t w, uint32_t& begi
 // leaves each key's total in totals[key] when totals != null.
 __device__ __forceinline__ void prefixOverWarps(uint32_t* hist, uint32_t keys, uint32_t* totals, uint32_t base) {
   for (uint32_t key = threadIdx.x; key < keys; key += blockDim.x) {
+    uint32_t c[kRankWarps];  // every load first: one memory round trip, not kRankWarps dependent ones
+#pragma unroll
+    for (uint32_t w = 0; w < kRankWarps; ++w) c[w] = hist[w * keys + key];
     uint32_t run = base;
+#pragma unroll
     for (uint32_t w = 0; w < kRankWarps; ++w) {
-      const uint32_t c = hist[w * keys + key];
       hist[w * keys + key] = run;
-      run += c;
+      run += c[w];
     }
     if (totals != nullptr) totals[key] = run - base;
   }
