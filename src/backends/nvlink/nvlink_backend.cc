@@ -374,13 +374,14 @@ class NvlinkAllToAll final : public AllToAll {
   // Checks a dispatch call's arguments (then its place in the call order) and packs them into the kernel's, kept in
   // the call kind's slot.
   void packDispatch(const DispatchArgs& a) {
-    const CheckedDispatch c = checkDispatchArgs(config_, a, MemoryKind::kCuda, device_);
+    const CheckedDispatch c = checkDispatchArgs(config_, a, MemoryKind::kCuda, device_, /*appliesCast=*/true);
     order_.checkDispatch(a.doSend, a.doRecv);
     PackedDispatch& p = packedDispatch_[callSlot(a.doSend, a.doRecv)];
     p.valid = false;
     nvlink::DispatchKernelArgs& k = p.k;
     std::memset(&k, 0, sizeof k);  // padding too: the launch cache compares the bytes
     fillCommon(k.g, k.peers, k.st);
+    k.cast = static_cast<uint32_t>(config_.dispatchCast);
     if (a.doSend) packDispatchSend(k, a, c, k.xScaleStrideBytes, 4);
     if (a.doRecv) {
       packDispatchRecv(k, a, c, config_.layout, k.outScaleStrideBytes, 4);

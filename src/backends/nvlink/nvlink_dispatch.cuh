@@ -59,7 +59,9 @@ __device__ __forceinline__ uint32_t unitItem(uint32_t wu, uint32_t groups, uint3
 // one included; why is open: docs/nvlink.md).
 // `pre` (static schedule only, when `havePre`): the entries of the warp's first unit, polled by firstOwnEntries()
 // before the wait that preceded this call.
-template <bool kDynamic>
+// kCast (kernels of Config::dispatchCast): kExpandOwn casts this rank's bf16 tokens as the send half casts the
+// peers' (castUnit), and stores their blocks' scales with the rows.
+template <bool kDynamic, bool kCast = false>
 __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, int mode, uint32_t nOwn, uint32_t* queue,
                              uint32_t warpId, uint32_t numWarps, uint32_t round, RouteEntry pre = RouteEntry{-1, 0},
                              bool havePre = false) {
@@ -68,8 +70,9 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
   const uint32_t L = g.numLocalExperts, K = g.topK, W = g.worldSize, Ts = g.slotsPerSender, D = g.dpSize;
   const uint32_t lane = threadIdx.x % 32;
   const uint32_t units = g.hiddenBytes / 16, scaleWords = g.scaleBytes / 4;
-  const uint32_t pieces = tokenPieces(g);
+  const uint32_t pieces = tokenPiecesOf<kCast>(g);
   const uint32_t skip = mode == kExpandPeers ? g.rank : W;
+  const bool castOwn = kCast && mode == kExpandOwn;
   auto entry = [&](uint32_t s, uint32_t j, uint32_t k) { return pollEntry(a, s, j, k, round); };
   const uint32_t tokenUnits = (mode == kExpandOwn ? nOwn : sentTokens(rt, W, skip)) * pieces;
   const uint32_t groups = kDynamic ? 1 : rowGroups(tokenUnits, numWarps, K);
@@ -99,13 +102,18 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
       scaleStride = 4;
     }
     int4 v[kUnroll];
-    const uint32_t vpl = unitVectors(g), u0 = piece * 32 * vpl + lane;
+    float castScale[kCastUnroll];
+    const uint32_t vpl = unitVectorsOf<kCast>(g), u0 = piece * 32 * vpl + lane;
+    if (castOwn) {
+      castUnit(src, u0, units, a.cast == static_cast<uint32_t>(DispatchCast::kFp8BlocksPow2), v, castScale);
+    } else {
 #pragma unroll
-    for (int i = 0; i < kUnroll; ++i) {
-      const uint32_t u = u0 + i * 32;
-      if (i < vpl && u < units) v[i] = *reinterpret_cast<const int4*>(src + static_cast<uint64_t>(u) * 16);
+      for (int i = 0; i < kUnroll; ++i) {
+        const uint32_t u = u0 + i * 32;
+        if (i < vpl && u < units) v[i] = *reinterpret_cast<const int4*>(src + static_cast<uint64_t>(u) * 16);
+      }
     }
-    const bool scales = piece == pieces - 1;
+    const bool scales = !castOwn && piece == pieces - 1;
     uint32_t sc[2] = {0, 0};
     if (scales) loadFirstScales(scaleSrc, scaleStride, lane, scaleWords, sc);
     // The entries last: their poll (a loop the loads above cannot move past) overlaps the payload's latency.
@@ -149,6 +157,10 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
             }
           }
         }
+        if (castOwn) {
+          storeCastScales(a.outScale + __shfl_sync(0xffffffffu, scaleOff, b), a.outScaleStrideBytes[2], u0, units,
+                          castScale);
+        }
         if (scales) {
           const int64_t so = __shfl_sync(0xffffffffu, scaleOff, b);
 #pragma unroll
@@ -173,13 +185,14 @@ __device__ void expandTokens(const DispatchKernelArgs& a, const RowTables& rt, i
 // trip (~0.4 us at decode, trace) leaves the unit's chain after the counts. `have`: whether the warp has a unit
 // (else nothing was polled). Polling the peers' first entries before their payload flag the same way delayed
 // decode T = 128 (docs/nvlink.md).
+template <bool kCast>
 __device__ RouteEntry firstOwnEntries(const DispatchKernelArgs& a, uint32_t nOwn, uint32_t warpId, uint32_t numWarps,
                                       uint32_t round, bool& have) {
   const Geometry& g = a.g;
-  const uint32_t units = nOwn * tokenPieces(g), groups = rowGroups(units, numWarps, g.topK);
+  const uint32_t units = nOwn * tokenPiecesOf<kCast>(g), groups = rowGroups(units, numWarps, g.topK);
   have = warpId < units * groups;
   if (!have || threadIdx.x % 32 >= g.topK) return RouteEntry{-1, 0};
-  return pollEntry(a, g.rank, unitItem(warpId, groups, tokenPieces(g)), threadIdx.x % 32, round);
+  return pollEntry(a, g.rank, unitItem(warpId, groups, tokenPiecesOf<kCast>(g)), threadIdx.x % 32, round);
 }
 
 // The row tables built by the threads [first, blockDim.x) while warp 0 does something else (a fence that waits for
@@ -220,7 +233,7 @@ __device__ bool ownBlocksJoin(const Geometry& g, const RowTables& rt, uint32_t f
 // slots are not written (nothing else reads them). `sendRound`: this send's number (1-based). `kKind` (FusedKind):
 // the push kernel has static shares only; the pull kernel dynamic ones only (the own-token blocks' share too when they
 // do not join: the same result, and one expansion's code less); kFusedAny every path, chosen from g.
-template <int kKind>
+template <int kKind, bool kCast>
 __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32_t n, uint32_t round,
                               uint32_t sendRound, uint32_t payloadBlocks) {
   const Geometry& g = a.g;
@@ -235,8 +248,8 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
     // Pull mode: these blocks push the pushed share of this rank's tokens into the peers, while the routes are not
     // yet in (prefill: ~20 us in which they only waited) and the payload blocks stage the rest locally.
     if (pull && g.pushQuarters > 0) {
-      dispatchPayload<kPushedSlots>(a, n, spreadWarp(blockIdx.x - firstLocal, B - firstLocal),
-                                    (B - firstLocal) * blockWarps(g), peerRanks);
+      dispatchPayload<kPushedSlots, kCast>(a, n, spreadWarp(blockIdx.x - firstLocal, B - firstLocal),
+                                           (B - firstLocal) * blockWarps(g), peerRanks);
     }
     // Pull mode: warp 0 alone signals. Its fence returns once the pushed share has landed (prefill: ~20 us), and the
     // other warps meanwhile build the row tables and start on this rank's own tokens (warp 0 joins them after).
@@ -247,7 +260,7 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
     // Push mode (decode-sized): the first unit's entries while the other ranks' counts are not in.
     bool havePre = false;
     RouteEntry pre{-1, 0};
-    if (!pull) pre = firstOwnEntries(a, n, ownWarp, ownWarps, round, havePre);
+    if (!pull) pre = firstOwnEntries<kCast>(a, n, ownWarp, ownWarps, round, havePre);
     // Every rank's counts for this rank's experts, polled as they land (tagged words): no route flag.
     // (first == 0: push kernels, where the comparison is constant)
     const RowTables rt =
@@ -260,11 +273,11 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
     // When they join the peers' expansion (prefill) both expansions run on dynamic schedules (expandTokens).
     const bool join = !kStatic && ownBlocksJoin(g, rt, firstLocal);
     if (!kDynamic && !join) {
-      expandTokens<false>(a, rt, kExpandOwn, n, nullptr, ownWarp, ownWarps, round, pre, havePre);
+      expandTokens<false, kCast>(a, rt, kExpandOwn, n, nullptr, ownWarp, ownWarps, round, pre, havePre);
       tracePoint(a.st, kTrOwnDone);
       return;
     }
-    expandTokens<true>(a, rt, kExpandOwn, n, queueOf(a.st, kQueueDispatchOwn, round), ownWarp, ownWarps, round);
+    expandTokens<true, kCast>(a, rt, kExpandOwn, n, queueOf(a.st, kQueueDispatchOwn, round), ownWarp, ownWarps, round);
     tracePoint(a.st, kTrOwnDone);
     if (!join) return;
     // The row tables are still in smem (expandTokens only reads them).
@@ -283,9 +296,9 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
   } else {
     const uint32_t warp = spreadWarp(blockIdx.x - R, payloadBlocks), warps = payloadBlocks * blockWarps(g);
     if (pull) {
-      dispatchPayload<kPulledSlots>(a, n, warp, warps, peerRanks);
+      dispatchPayload<kPulledSlots, kCast>(a, n, warp, warps, peerRanks);
     } else {
-      dispatchPayload<kAllSlots>(a, n, warp, warps, peerRanks);
+      dispatchPayload<kAllSlots, kCast>(a, n, warp, warps, peerRanks);
     }
     tracePoint(a.st, kTrStored);
   }
@@ -319,7 +332,8 @@ __device__ void fusedDispatch(const DispatchKernelArgs& a, int32_t* smem, uint32
 // fetching instructions (a routing pass of cold code, expansion units of 3-4 us with no stores at all): the push
 // kernel (71 KB) dispatched T = 128 in 17.3-18.0 us instead of 19.9-20.4, the pull kernel (97 KB) prefill T = 4096 in
 // 118.4-119.5 instead of 122.7-125.1 (docs/nvlink.md).
-template <bool kSend, bool kRecv, int kKind = kFusedAny>
+// kCast: the kernels of Config::dispatchCast (send halves only), so that the kernels that copy keep their code.
+template <bool kSend, bool kRecv, int kKind = kFusedAny, bool kCast = false>
 __global__ void __launch_bounds__(kMaxThreads, 1) dispatchKernel(const DispatchKernelArgs a) {
   extern __shared__ int32_t smem[];
   tracePoint(a.st, kTrEntry);
@@ -338,7 +352,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) dispatchKernel(const DispatchK
       const uint32_t round = pre.seqRecv + 1;
       const uint32_t n = numTokensSentBy(g.rank, effectiveBound(pre.bound, a.m), g.dpSize);
       clearNextQueues(a.st, round);
-      fusedDispatch<kKind>(a, smem, n, round, seqSend + 1, payloadBlocks);
+      fusedDispatch<kKind, kCast>(a, smem, n, round, seqSend + 1, payloadBlocks);
       __syncthreads();
       tracePoint(a.st, kTrExit);
       if (threadIdx.x == 0 && !aborted(a.st)) {
@@ -361,7 +375,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) dispatchKernel(const DispatchK
     if (!router || B <= R) {  // B <= R only when B == 1: that block also copies
       const uint32_t payloadBlocks = B > R ? B - R : B;
       const uint32_t blk = B > R ? blockIdx.x - R : blockIdx.x;
-      dispatchPayload<kAllSlots>(a, n, spreadWarp(blk, payloadBlocks), payloadBlocks * blockWarps(g), allRanksMask(g));
+      dispatchPayload<kAllSlots, kCast>(a, n, spreadWarp(blk, payloadBlocks), payloadBlocks * blockWarps(g),
+                                        allRanksMask(g));
       tracePoint(a.st, kTrStored);
     }
     // Routing blocks too: their entries and counts are tagged words, but the receivers' dispatch flag counts B.

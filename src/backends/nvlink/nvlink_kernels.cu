@@ -63,20 +63,26 @@ const void* combineFnMode(int yType, int outType) {
   }
 }
 
-// The dispatch kernel for these halves; `kind`: the fused kernel's mode (FusedKind, fusedDispatchKind).
-const void* dispatchFnFor(bool doSend, bool doRecv, int kind = kFusedAny) {
-  if (doSend && doRecv) {
+template <bool kCast>
+const void* dispatchFnSend(bool doRecv, int kind) {
+  if (doRecv) {
     switch (kind) {
       case kFusedPush:
-        return reinterpret_cast<const void*>(dispatchKernel<true, true, kFusedPush>);
+        return reinterpret_cast<const void*>(dispatchKernel<true, true, kFusedPush, kCast>);
       case kFusedPull:
-        return reinterpret_cast<const void*>(dispatchKernel<true, true, kFusedPull>);
+        return reinterpret_cast<const void*>(dispatchKernel<true, true, kFusedPull, kCast>);
       default:
-        return reinterpret_cast<const void*>(dispatchKernel<true, true>);
+        return reinterpret_cast<const void*>(dispatchKernel<true, true, kFusedAny, kCast>);
     }
   }
-  return doSend ? reinterpret_cast<const void*>(dispatchKernel<true, false>)
-                : reinterpret_cast<const void*>(dispatchKernel<false, true>);
+  return reinterpret_cast<const void*>(dispatchKernel<true, false, kFusedAny, kCast>);
+}
+
+// The dispatch kernel for these halves; `kind`: the fused kernel's mode (FusedKind, fusedDispatchKind); `cast`: a
+// kernel whose send half casts (Config::dispatchCast; the receive half is the same either way).
+const void* dispatchFnFor(bool doSend, bool doRecv, int kind = kFusedAny, bool cast = false) {
+  if (!doSend) return reinterpret_cast<const void*>(dispatchKernel<false, true>);
+  return cast ? dispatchFnSend<true>(doRecv, kind) : dispatchFnSend<false>(doRecv, kind);
 }
 
 // The combine kernel for these halves and element types.
@@ -89,8 +95,9 @@ const void* combineFnFor(bool doSend, bool doRecv, int yType, int outType) {
 }  // namespace
 
 KernelLaunch dispatchLaunch(const DispatchKernelArgs& args, bool doSend, bool doRecv) {
-  return KernelLaunch{dispatchFnFor(doSend, doRecv, doSend && doRecv ? fusedDispatchKind(args.g) : kFusedAny),
-                      args.g.blocks, args.g.threads, sharedBytes(args.g)};
+  return KernelLaunch{
+      dispatchFnFor(doSend, doRecv, doSend && doRecv ? fusedDispatchKind(args.g) : kFusedAny, args.cast != 0),
+      args.g.blocks, args.g.threads, sharedBytes(args.g)};
 }
 
 KernelLaunch combineLaunch(const CombineKernelArgs& args, bool doSend, bool doRecv, int yType, int outType) {
@@ -112,9 +119,12 @@ int configureKernels(uint32_t bytes) {
     return cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   };
   for (const auto& h : kHalves) {
-    cudaError_t e = raise(dispatchFnFor(h[0], h[1]));
-    for (int kind = kFusedPush; kind <= kFusedPull && e == cudaSuccess && h[0] && h[1]; ++kind) {
-      e = raise(dispatchFnFor(true, true, kind));
+    cudaError_t e = cudaSuccess;
+    for (bool cast : {false, true}) {
+      if (e == cudaSuccess) e = raise(dispatchFnFor(h[0], h[1], kFusedAny, cast));
+      for (int kind = kFusedPush; kind <= kFusedPull && e == cudaSuccess && h[0] && h[1]; ++kind) {
+        e = raise(dispatchFnFor(true, true, kind, cast));
+      }
     }
     for (int yt = kTypeBf16; yt <= kTypeF32 && e == cudaSuccess; ++yt) {
       for (int ot = kTypeBf16; ot <= kTypeF32 && e == cudaSuccess; ++ot) e = raise(combineFnFor(h[0], h[1], yt, ot));

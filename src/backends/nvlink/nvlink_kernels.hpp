@@ -87,6 +87,8 @@ struct DispatchKernelArgs {
   int64_t outScaleStrideBytes[3];  ///< expert (0 for packed), row, column
   int32_t packed;
   uint32_t padding;
+  /// Config::dispatchCast (DispatchCast as an int): the send half reads bf16 x and casts it (the kernels that cast).
+  uint32_t cast;
 };
 
 /// Arguments of the combine kernel (send half, recv half, or both).
@@ -122,7 +124,7 @@ struct KernelLaunch {
   uint32_t threads;
   uint32_t smemBytes;
 };
-/// The dispatch kernel for these halves.
+/// The dispatch kernel for these halves (a kernel that casts when args.cast is set).
 KernelLaunch dispatchLaunch(const DispatchKernelArgs& args, bool doSend, bool doRecv);
 /// The combine kernel; `yType` is expertY's type (the send half's; ignored without it), `outType` outTokens' (the
 /// receive half's; ignored without it). The partials between the halves are fp32 whatever both types are.

@@ -161,6 +161,24 @@ EPCOMM_HD uint32_t tokenPieces(const Geometry& g) {
   return units == 0 ? 1 : static_cast<uint32_t>(ceilDiv(units, 32 * unitVectors(g)));
 }
 
+/// 16-byte fp8 vectors per lane of a unit that casts (Config::dispatchCast; the cast kernels' send halves and their
+/// expansion of this rank's own tokens): each reads 32 bytes of bf16, so half of kUnroll keeps the bytes in flight, and
+/// the registers that hold them, those of a copy unit.
+constexpr int kCastUnroll = kUnroll / 2;
+
+/// unitVectors and tokenPieces of the unit loops of kernels that cast (kCast) or copy. A unit loop and whatever
+/// predicts its units (firstOwnEntries) take the same kCast.
+template <bool kCast>
+EPCOMM_HD uint32_t unitVectorsOf(const Geometry& g) {
+  return kCast ? static_cast<uint32_t>(kCastUnroll) : unitVectors(g);
+}
+template <bool kCast>
+EPCOMM_HD uint32_t tokenPiecesOf(const Geometry& g) {
+  if (!kCast) return tokenPieces(g);
+  const uint32_t units = g.hiddenBytes / 16;  // >= 8: a cast token has at least 128 elements
+  return static_cast<uint32_t>(ceilDiv(units, 32 * kCastUnroll));
+}
+
 /// Whether the own-token blocks of the fused dispatch also expand the peers' tokens: only for more than
 /// kJoinUnitsPerWarp work units per warp of the other blocks (prefill). Decided from the received token counts
 /// (valid once every rank's routes are in), so every block decides the same. Measured on 2x H200: without the own

@@ -2,7 +2,10 @@
 // payload copy into the receivers' staging slots. Part of nvlink_kernels.cu's translation unit: include it only there.
 #pragma once
 
+#include <cuda_fp8.h>
+
 #include "backends/nvlink/nvlink_rows.cuh"
+#include "core/fp8_cast.hpp"
 
 namespace epcomm {
 namespace nvlink {
@@ -162,12 +165,6 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
   return true;
 }
 
-// Send half, payload. Work unit = (token, piece of 32 * unitVectors(g) vectors), so a decode-sized batch spreads over
-// many warps; each unit issues all its loads (expert indices, payload vectors, scales) before the first store, so a
-// unit costs one memory latency, then its stores go out once per destination *rank*. `destMask`: the ranks this call
-// may store into (the fused kernel leaves its own rank out). `kFilter`: which slots (SlotFilter; the fused kernel
-// splits pull mode's pushed and staged slots between two groups of blocks). A template argument, so push mode's loop
-// is the plain one.
 // Scale words c = lane and lane + 32 (those below scaleWords) of a token whose word c is at scaleSrc + c * scaleStride:
 // the ones loaded with the payload (any further ones are copied after it).
 __device__ __forceinline__ void loadFirstScales(const uint8_t* scaleSrc, int64_t scaleStride, uint32_t lane,
@@ -179,14 +176,82 @@ __device__ __forceinline__ void loadFirstScales(const uint8_t* scaleSrc, int64_t
   }
 }
 
-template <int kFilter>
+// Config::dispatchCast in the dispatch (core/fp8_cast.hpp): lane's 16-byte fp8 vectors u = u0 + 32 i (i <
+// kCastUnroll = unitVectorsOf<true>(g), u < units) of a work unit, cast from the token's bf16 row `src` (32 bytes per
+// vector) into v[i], and into scale[i] the scale of vector u's 128-element block. A block's 8 vectors lie in 8
+// consecutive lanes (u0 is the lane plus a multiple of 32, units a multiple of 8), so its amax is their max over three
+// xor shuffles, which every lane runs. All loads are issued before the first conversion, like the copy's (2 x 4 x 16 B
+// per lane: the registers the copy's 8 vectors take). The conversion is the hardware's (round to nearest even;
+// saturating, which changes nothing here: |x * inv| rounds to at most 448 for finite x).
+__device__ __forceinline__ void castUnit(const uint8_t* src, uint32_t u0, uint32_t units, bool pow2, int4 (&v)[kUnroll],
+                                         float (&scale)[kCastUnroll]) {
+  int4 raw[2 * kCastUnroll];
+#pragma unroll
+  for (int i = 0; i < kCastUnroll; ++i) {
+    const uint32_t u = u0 + i * 32;
+    raw[2 * i] = raw[2 * i + 1] = make_int4(0, 0, 0, 0);
+    if (u < units) {
+      raw[2 * i] = ldGlobalNc16(src + static_cast<uint64_t>(u) * 32);
+      raw[2 * i + 1] = ldGlobalNc16(src + static_cast<uint64_t>(u) * 32 + 16);
+    }
+  }
+  auto lo = [](int w) { return __uint_as_float(static_cast<uint32_t>(w) << 16); };
+  auto hi = [](int w) { return __uint_as_float(static_cast<uint32_t>(w) & 0xFFFF0000u); };
+#pragma unroll
+  for (int i = 0; i < kCastUnroll; ++i) {
+    {
+      const int w[8] = {raw[2 * i].x,     raw[2 * i].y,     raw[2 * i].z,     raw[2 * i].w,
+                        raw[2 * i + 1].x, raw[2 * i + 1].y, raw[2 * i + 1].z, raw[2 * i + 1].w};
+      float amax = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fmaxf(fabsf(lo(w[j])), fabsf(hi(w[j]))));
+#pragma unroll
+      for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      const Fp8BlockScale s = fp8BlockScale(amax, pow2);
+      scale[i] = s.scale;
+      uint32_t q[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        // Elements 4j .. 4j + 3: the low half of each bf16 pair first, so byte k of the vector is element k.
+        const uint32_t a = __nv_cvt_float2_to_fp8x2(
+            make_float2(__fmul_rn(lo(w[2 * j]), s.inv), __fmul_rn(hi(w[2 * j]), s.inv)), __NV_SATFINITE, __NV_E4M3);
+        const uint32_t b = __nv_cvt_float2_to_fp8x2(
+            make_float2(__fmul_rn(lo(w[2 * j + 1]), s.inv), __fmul_rn(hi(w[2 * j + 1]), s.inv)), __NV_SATFINITE,
+            __NV_E4M3);
+        q[j] = a | b << 16;
+      }
+      v[i] = make_int4(static_cast<int>(q[0]), static_cast<int>(q[1]), static_cast<int>(q[2]), static_cast<int>(q[3]));
+    }
+  }
+}
+
+// The scales castUnit computed, one store per block by the block's first lane: word u / 8 at base + (u / 8) * stride.
+__device__ __forceinline__ void storeCastScales(uint8_t* base, int64_t stride, uint32_t u0, uint32_t units,
+                                                const float (&scale)[kCastUnroll]) {
+  if ((threadIdx.x & 7) != 0) return;
+#pragma unroll
+  for (int i = 0; i < kCastUnroll; ++i) {
+    const uint32_t u = u0 + i * 32;
+    if (u < units) *reinterpret_cast<float*>(base + static_cast<int64_t>(u / 8) * stride) = scale[i];
+  }
+}
+
+// Send half, payload. Work unit = (token, piece of 32 * unitVectors(g) vectors), so a decode-sized batch spreads over
+// many warps; each unit issues all its loads (expert indices, payload vectors, scales) before the first store, so a
+// unit costs one memory latency, then its stores go out once per destination *rank*. `destMask`: the ranks this call
+// may store into (the fused kernel leaves its own rank out). `kFilter`: which slots (SlotFilter; the fused kernel
+// splits pull mode's pushed and staged slots between two groups of blocks). A template argument, so push mode's loop
+// is the plain one.
+// kCast (Config::dispatchCast, the kernels that cast): the unit casts x's bf16 row as it goes (castUnit) and stores
+// its blocks' scales.
+template <int kFilter, bool kCast = false>
 __device__ void dispatchPayload(const DispatchKernelArgs& a, uint32_t n, uint32_t warpId, uint32_t numWarps,
                                 uint32_t destMask) {
   const Geometry& g = a.g;
   const uint32_t lane = threadIdx.x % 32;
   const uint32_t K = g.topK, L = g.numLocalExperts, D = g.dpSize;
   const uint32_t units = g.hiddenBytes / 16, scaleWords = g.scaleBytes / 4;
-  const uint32_t pieces = tokenPieces(g);
+  const uint32_t pieces = tokenPiecesOf<kCast>(g);
   for (uint32_t wu = warpId; wu < filteredSlots(g, n, kFilter) * pieces; wu += numWarps) {
     const uint32_t j = filteredSlot(g, wu / pieces, kFilter), piece = wu % pieces;
     const uint32_t t = j * D + g.rank % D;
@@ -194,15 +259,20 @@ __device__ void dispatchPayload(const DispatchKernelArgs& a, uint32_t n, uint32_
     int64_t e0 = -1;
     if (lane < K) e0 = loadIndex(a.indices, a.indexKind, a.indexStrides, t, lane);
     int4 v[kUnroll];
-    const uint32_t vpl = unitVectors(g), u0 = piece * 32 * vpl + lane;
+    float castScale[kCastUnroll];
+    const uint32_t vpl = unitVectorsOf<kCast>(g), u0 = piece * 32 * vpl + lane;
+    if constexpr (kCast) {
+      castUnit(src, u0, units, a.cast == static_cast<uint32_t>(DispatchCast::kFp8BlocksPow2), v, castScale);
+    } else {
 #pragma unroll
-    for (int i = 0; i < kUnroll; ++i) {
-      const uint32_t u = u0 + i * 32;
-      if (i < vpl && u < units) v[i] = ldGlobalNc16(src + static_cast<uint64_t>(u) * 16);
+      for (int i = 0; i < kUnroll; ++i) {
+        const uint32_t u = u0 + i * 32;
+        if (i < vpl && u < units) v[i] = ldGlobalNc16(src + static_cast<uint64_t>(u) * 16);
+      }
     }
     // The last piece also carries the scales (its payload share is the smallest); the first 64 words are loaded
-    // with the payload, any further ones after it.
-    const bool scales = piece == pieces - 1;
+    // with the payload, any further ones after it. A cast computes each piece's scales with it instead.
+    const bool scales = !kCast && piece == pieces - 1;
     uint32_t sc[2] = {0, 0};
     if (scales) {
       loadFirstScales(a.xScale + static_cast<int64_t>(t) * a.xScaleStrideBytes[0], a.xScaleStrideBytes[1], lane,
@@ -233,6 +303,7 @@ __device__ void dispatchPayload(const DispatchKernelArgs& a, uint32_t n, uint32_
           if (c < scaleWords) *reinterpret_cast<uint32_t*>(dst + g.hiddenBytes + c * 4) = sc[i];
         }
       }
+      if constexpr (kCast) storeCastScales(dst + g.hiddenBytes, 4, u0, units, castScale);
     }
     if (scales) {
       for (uint32_t c = lane + 64; c < scaleWords; c += 32) {
