@@ -46,7 +46,7 @@ _TORCH_REINTERPRET = {"float8_e4m3fn": ("uint8", "fp8_e4m3"), "float8_e5m2": ("u
 
 def make_config(max_num_tokens: int, num_experts: int, experts_per_token: int, rank: int, world_size: int,
                 dp_size: int, hidden_dim: int, hidden_dim_bytes: int, hidden_dim_scale_bytes: int,
-                expert_padding: int = 1, layout: str = "batched") -> "_C.Config":
+                expert_padding: int = 1, layout: str = "batched", dispatch_cast: str = "none") -> "_C.Config":
     """A validated Config from pplx-style arguments; raises epcomm.Error(code='invalid_config')."""
     sizes = dict(max_num_tokens=max_num_tokens, num_experts=num_experts, experts_per_token=experts_per_token,
                  rank=rank, world_size=world_size, dp_size=dp_size, hidden_dim=hidden_dim,
@@ -62,6 +62,8 @@ def make_config(max_num_tokens: int, num_experts: int, experts_per_token: int, r
             raise error(f"{name} must be an integer in [0, 2^32), got {value!r}", "invalid_config")
         setattr(cfg, name, v)
     cfg.layout = _C.layout_from_name(layout) if isinstance(layout, str) else layout
+    cfg.dispatch_cast = (_C.dispatch_cast_from_name(dispatch_cast) if isinstance(dispatch_cast, str)
+                         else dispatch_cast)
     cfg.validate()
     return cfg
 
@@ -96,7 +98,11 @@ def plan(config: Union["_C.Config", str, None] = None, backend: str = "", **kwar
     if isinstance(config, str):
         cfg = _C.standard_config(config, kwargs.pop("world_size", 1), kwargs.pop("rank", 0), kwargs.pop("dp_size", 1))
         for key, value in kwargs.items():
-            setattr(cfg, key, _C.layout_from_name(value) if key == "layout" else value)
+            if key == "layout" and isinstance(value, str):
+                value = _C.layout_from_name(value)
+            elif key == "dispatch_cast" and isinstance(value, str):
+                value = _C.dispatch_cast_from_name(value)
+            setattr(cfg, key, value)
     elif config is None:
         kwargs.setdefault("rank", 0)
         kwargs.setdefault("dp_size", 1)
@@ -201,6 +207,12 @@ class AllToAll:
         hidden_dim_scale_bytes: dispatch scale bytes per token (0 = no scales; fp32 scales, a multiple of 4).
         expert_padding: row alignment of each expert's segment (power of two).
         layout: "batched" ([L, max_num_tokens * W / D, ...], pplx-kernels) or "packed" ([sum of padded counts, ...]).
+        dispatch_cast: "none", or "fp8_blocks" / "fp8_blocks_pow2": the dispatch casts each token itself (DeepEP's
+            low-latency fp8 cast, inside the dispatch kernel on nvlink): dp_x is bf16 [m, hidden_dim], dp_x_scale
+            None, and out_expert_x fp8 e4m3 with out_expert_x_scale fp32 [..., hidden_dim / 128], bit for bit
+            what deep_ep.per_token_cast_to_fp8 then a dispatch of its output give ("_pow2": round_scale). Needs
+            hidden_dim % 128 == 0, hidden_dim_bytes = hidden_dim, hidden_dim_scale_bytes = hidden_dim / 128 * 4.
+            Backends: nvlink and host (dispatch_cast_backends()); the others raise code "unavailable" here.
         backend: "auto", "nvlink", "nvshmem", "proxy" or "host" (see built_backends()).
         group: a torch.distributed ProcessGroup to rendezvous through.
         bootstrap: "host:port", "env", an epcomm._C.Bootstrap, or an object with all_gather / barrier /
@@ -217,15 +229,22 @@ class AllToAll:
     def __init__(self, max_num_tokens: int, num_experts: int, experts_per_token: int, rank: int, world_size: int,
                  dp_size: int, hidden_dim: int, hidden_dim_bytes: int, hidden_dim_scale_bytes: int,
                  expert_padding: int = 1, layout: str = "batched", backend: str = "auto", group: Any = None,
-                 bootstrap: Any = None):
+                 bootstrap: Any = None, dispatch_cast: str = "none"):
         self._impl = None
         self._handle = 0
         cfg = make_config(max_num_tokens, num_experts, experts_per_token, rank, world_size, dp_size, hidden_dim,
-                          hidden_dim_bytes, hidden_dim_scale_bytes, expert_padding, layout)
+                          hidden_dim_bytes, hidden_dim_scale_bytes, expert_padding, layout, dispatch_cast)
         boot = make_bootstrap(bootstrap, group, rank, world_size)
         self._impl = _C.create_all_to_all(cfg, boot, backend)
         self._config = self._impl.config
         self.backend: str = self._impl.backend_name
+        if cfg.dispatch_cast != _C.DispatchCast.none and self.backend not in _C.dispatch_cast_backends():
+            # Every rank got the same backend: all of them refuse here, before any dispatch.
+            self._impl.close()
+            raise error(f"dispatch_cast={cfg.dispatch_cast.name!r} is not supported by the {self.backend} backend "
+                        f"(supported: {', '.join(_C.dispatch_cast_backends())}); cast dp_x first (for example "
+                        "epcomm.deep_ep.per_token_cast_to_fp8) and dispatch fp8 with dispatch_cast='none'",
+                        "unavailable")
         # Where the tensors must live: host memory for the host backend, the current CUDA device otherwise.
         self.device: Optional[str] = "cpu" if self.backend == "host" else "cuda"
         torch = sys.modules.get("torch")

@@ -9,11 +9,14 @@ Code written for DeepEP's low-latency mode (decode) runs with its import line ch
     y = experts(recv_x, recv_count)             # [L, T * W, H] bf16
     combined_x, event, hook = buf.low_latency_combine(y, topk_idx, topk_weights, handle)
 
-Each (T, H, E, top-k, payload) shape gets two epcomm AllToAll objects (created collectively on the first dispatch of
-that shape), used in turn like DeepEP's two low-latency buffers: two dispatches may be in flight (two micro-batches)
-before their combines. Outputs are in DeepEP's layout and dtypes: ``recv_x`` is ``[L, T * W, H]`` (rows of each
+Each (T, H, E, top-k, payload, cast) shape gets two epcomm AllToAll objects (created collectively on the first
+dispatch of that shape), used in turn like DeepEP's two low-latency buffers: two dispatches may be in flight (two
+micro-batches) before their combines. Outputs are in DeepEP's layout and dtypes: ``recv_x`` is ``[L, T * W, H]`` (rows of each
 local expert ordered by source rank, then token), with ``use_fp8`` an fp8 e4m3 tensor and ``[L, T * W, H / 128]``
-fp32 scales whose last two dimensions are column-major. What differs and what is not supported: docs/compat.md.
+fp32 scales whose last two dimensions are column-major. With ``use_fp8`` and bf16 ``x`` the fp8 cast runs inside the
+dispatch (AllToAll's dispatch_cast) on the backends that can (nvlink: in the dispatch kernel; host); elsewhere it runs
+before the dispatch (per_token_cast_to_fp8), with the same bits. What differs and what is not supported:
+docs/compat.md.
 
 Without torch (the host backend, CI) the same calls take numpy arrays: bf16 data as ``epcomm.typed(u16, "bf16")``
 and the results come back the same way (fp8 as ``typed(u8, "fp8_e4m3")``).
@@ -117,14 +120,21 @@ def per_token_cast_to_fp8(x: Any, round_scale: bool = False) -> Tuple[Any, Any]:
             raise invalid_argument(f"x has {h} columns, not a multiple of the block size {FP8_BLOCK}")
         xf = x.float().view(m, h // FP8_BLOCK, FP8_BLOCK)
         amax = xf.abs().amax(dim=2).clamp(min=1e-4)
+        # Tensor over tensor, never a Python scalar: torch evaluates 448.0 / amax as reciprocal(amax) * 448 and, on
+        # CUDA, amax / 448.0 as amax * (1 / 448), second roundings the library's cast (one division) does not make.
+        c448 = torch.full_like(amax, 448.0)
+        scale = amax / c448
         if round_scale:
-            scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
-            q = xf * (1.0 / scale).unsqueeze(2)
+            # 2^ceil(log2(scale)) from the bits (exact, as the library computes it): a power of two stays, any other
+            # scale takes the next exponent. scale >= 1e-4 / 448 is a normal number; an infinite one stays.
+            bits = scale.view(torch.int32)
+            exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+            scale = torch.where(bits >> 23 == 255, scale, (exponent << 23).view(torch.float32))
+            inv = (((254 - exponent).clamp(min=0)) << 23).view(torch.float32)  # 1 / scale, exact
+            inv = torch.where(bits >> 23 == 255, torch.zeros_like(inv), inv)
         else:
-            scale = amax / 448.0
-            # torch.full_like(...) / amax, not 448.0 / amax: torch evaluates a scalar over a tensor as
-            # reciprocal(amax) * 448, a second rounding the library's cast does not make.
-            q = xf * (torch.full_like(amax, 448.0) / amax).unsqueeze(2)
+            inv = c448 / amax
+        q = xf * inv.unsqueeze(2)
         return q.to(torch.float8_e4m3fn).view(m, h), scale.contiguous()
     import numpy as np
 
@@ -170,8 +180,10 @@ class Buffer:
         self.low_latency_mode = low_latency_mode
         self.backend = backend
         self._bootstrap = make_bootstrap(bootstrap, group, self.rank, self.group_size)
-        # (T, H, E, K, payload dtype, fp8) -> [two AllToAll objects, index of the next one to dispatch on]
+        # (T, H, E, K, payload dtype, dispatch cast) -> [two AllToAll objects, index of the next one to dispatch on]
         self._objects: Dict[Tuple[Any, ...], List[Any]] = {}
+        # Whether the backend casts to fp8 in its dispatch (None: not known before the first fp8 dispatch).
+        self._fused_cast: Optional[bool] = None
 
     # -- DeepEP's static helpers ---------------------------------------------------------------------------------
     @staticmethod
@@ -241,7 +253,11 @@ class Buffer:
         [L, T * W, H / 128] fp32, column-major in the last two dimensions)`` with use_fp8, else ``[L, T * W, H]`` in
         x's dtype; recv_count is ``[L]`` int32 (rows of each expert that hold tokens). With return_recv_hook the
         call only sends, and ``hook()`` receives (recv_x and recv_count are valid after it); otherwise hook is
-        None. cumulative_local_expert_recv_stats ([L] int32), when given, gets recv_count added on receipt."""
+        None. cumulative_local_expert_recv_stats ([L] int32), when given, gets recv_count added on receipt.
+
+        use_fp8 with bf16 x: the dispatch itself casts (the fp8 codes and scales of per_token_cast_to_fp8, bit for
+        bit; round_scale: power-of-two scales) on the backends whose dispatch casts (nvlink, host); on the others,
+        and for fp16 / fp32 x, per_token_cast_to_fp8 runs before the dispatch."""
         if use_ue8m0:
             raise _unsupported("use_ue8m0 (scales packed as UE8M0)")
         xa = _array_of(x)
@@ -254,19 +270,39 @@ class Buffer:
         top_k = int(idx_shape[1])
         T, E, W = int(num_max_dispatch_tokens_per_rank), int(num_experts), self.group_size
         x_dtype = _dtype_name(x)
+        cast = "none"
         if use_fp8:
             if hidden % FP8_BLOCK != 0:
                 raise invalid_argument(f"use_fp8 needs hidden % {FP8_BLOCK} == 0, got hidden = {hidden}")
-            payload, scales = per_token_cast_to_fp8(x, round_scale)
             payload_dtype, payload_bytes, scale_bytes = "fp8_e4m3", hidden, hidden // FP8_BLOCK * 4
+            # bf16 x: the dispatch casts it itself (dispatch_cast, in the dispatch kernel on nvlink) where the
+            # backend can; otherwise (other dtypes, backends without it) the cast runs first, here.
+            if x_dtype == "bf16" and self._fused_cast is not False:
+                cast = "fp8_blocks_pow2" if round_scale else "fp8_blocks"
         else:
-            payload, scales = x, None
             payload_dtype = x_dtype
             payload_bytes, scale_bytes = hidden * _C.dtype_size(x_dtype), 0
-        key = (T, hidden, E, top_k, payload_dtype)
-        a2a = self._object_for(key, lambda: AllToAll(
-            T, E, top_k, self.rank, W, 1, hidden, payload_bytes, scale_bytes, backend=self.backend,
-            bootstrap=self._bootstrap))
+
+        def make(dispatch_cast: str) -> AllToAll:
+            return AllToAll(T, E, top_k, self.rank, W, 1, hidden, payload_bytes, scale_bytes, backend=self.backend,
+                            bootstrap=self._bootstrap, dispatch_cast=dispatch_cast)
+
+        a2a = None
+        if cast != "none":
+            try:
+                a2a = self._object_for((T, hidden, E, top_k, payload_dtype, cast), lambda: make(cast))
+                self._fused_cast = True
+            except _C.Error as e:
+                # The backend does not cast in its dispatch (every rank learns it alike, at construction).
+                if getattr(e, "code", "") != "unavailable" or self._fused_cast:
+                    raise
+                self._fused_cast = False
+                cast = "none"
+        if cast != "none":
+            payload, scales = x, None
+        else:
+            payload, scales = per_token_cast_to_fp8(x, round_scale) if use_fp8 else (x, None)
+            a2a = self._object_for((T, hidden, E, top_k, payload_dtype, "none"), lambda: make("none"))
         L, R = E // W, a2a.config.batched_rows_per_expert
         recv_x = self._alloc(x, (L, R, hidden), payload_dtype)
         recv_count = self._alloc(x, (L,), "int32", zero=True)

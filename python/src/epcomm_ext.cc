@@ -235,6 +235,13 @@ Layout layoutFromName(const std::string& name) {
   EPCOMM_THROW(kInvalidArgument, "unknown layout '" << name << "' (batched, packed)");
 }
 
+DispatchCast dispatchCastFromName(const std::string& name) {
+  for (DispatchCast c : {DispatchCast::kNone, DispatchCast::kFp8Blocks, DispatchCast::kFp8BlocksPow2}) {
+    if (name == dispatchCastName(c)) return c;
+  }
+  EPCOMM_THROW(kInvalidArgument, "unknown dispatch_cast '" << name << "' (none, fp8_blocks, fp8_blocks_pow2)");
+}
+
 }  // namespace
 
 }  // namespace python
@@ -296,6 +303,15 @@ NB_MODULE(_C, m) {
       .value("packed", Layout::kPacked, "[sum of padded counts, ...]");
   m.def("layout_from_name", &layoutFromName, "name"_a);
 
+  nb::enum_<DispatchCast>(m, "DispatchCast", "A cast the dispatch applies to each token (Config.dispatch_cast).")
+      .value("none", DispatchCast::kNone, "x's bytes travel as they are")
+      .value("fp8_blocks", DispatchCast::kFp8Blocks,
+             "x bf16 [m, H] arrives as fp8 e4m3 [H] + fp32 scales [H / 128] (DeepEP's cast, inside the dispatch)")
+      .value("fp8_blocks_pow2", DispatchCast::kFp8BlocksPow2, "fp8_blocks with power-of-two scales (round_scale)");
+  m.def("dispatch_cast_from_name", &dispatchCastFromName, "name"_a);
+  m.def("dispatch_cast_backends", &dispatchCastBackends,
+        "Backends whose dispatch applies Config.dispatch_cast (the others refuse it with code 'unavailable').");
+
   nb::class_<Config>(m, "Config", "Everything that sizes an AllToAll object (plain data; validate() checks it).")
       .def(nb::init<>())
       .def_rw("max_num_tokens", &Config::maxNumTokens, "Max tokens per rank per call.")
@@ -309,6 +325,8 @@ NB_MODULE(_C, m) {
       .def_rw("hidden_dim_scale_bytes", &Config::hiddenDimScaleBytes, "Dispatch scale bytes per token (0 = none).")
       .def_rw("expert_padding", &Config::expertPadding, "Row alignment of each expert's segment (power of two).")
       .def_rw("layout", &Config::layout, "Layout of out_expert_x / expert_y.")
+      .def_rw("dispatch_cast", &Config::dispatchCast,
+              "Cast the dispatch applies to each token: none, fp8_blocks, fp8_blocks_pow2 (epcomm.DispatchCast).")
       .def("validate", &Config::validate, "Raises epcomm.Error(code='invalid_config') naming the first bad field.")
       .def_prop_ro("num_local_experts", &Config::numLocalExperts, "L = E / W.")
       .def_prop_ro("num_dp_groups", &Config::numDpGroups, "G = W / D.")

@@ -59,9 +59,11 @@ def _pplx_scenario(torch, epcomm, dist, rank, world, device, backend, internode,
     return {"rows": rows, "tokens": m}
 
 
-def _deepep_scenario(torch, epcomm, dist, rank, world, device, backend, use_fp8, hook):
-    """A DeepEP decode step with torch tensors: dispatch (fp8 or bf16), experts scale by (e + 1), combine."""
-    from epcomm import deep_ep
+def _deepep_scenario(torch, epcomm, dist, rank, world, device, backend, use_fp8, hook, round_scale=False):
+    """A DeepEP decode step with torch tensors: dispatch (fp8 or bf16), experts scale by (e + 1), combine. With fp8 the
+    received codes and scales are those of per_token_cast_to_fp8 on the sender's device, bit for bit, whether the
+    dispatch cast them (dispatch_cast: host, nvlink) or the cast ran before it."""
+    from epcomm import _C, deep_ep
 
     T, E, K, H = 16, 8, 4, 256
     L = E // world
@@ -75,7 +77,11 @@ def _deepep_scenario(torch, epcomm, dist, rank, world, device, backend, use_fp8,
                          low_latency_mode=True, num_qps_per_rank=L, backend=backend)
     x, idx, w = x_all[rank].to(device), idx_all[rank].to(device), w_all[rank].to(device)
     recv_x, recv_count, handle, event, recv_hook = buf.low_latency_dispatch(x, idx, T, E, use_fp8=use_fp8,
+                                                                            round_scale=round_scale,
                                                                             return_recv_hook=hook)
+    fused = handle.a2a.backend in _C.dispatch_cast_backends()
+    want_cast = ("fp8_blocks_pow2" if round_scale else "fp8_blocks") if use_fp8 and fused else "none"
+    assert handle.a2a.config.dispatch_cast.name == want_cast, (handle.a2a.backend, handle.a2a.config)
     if recv_hook is not None:
         recv_hook()
     event.current_stream_wait()
@@ -99,6 +105,10 @@ def _deepep_scenario(torch, epcomm, dist, rank, world, device, backend, use_fp8,
             src = x_all[s][t].float()
             got = deq[le, i].cpu()
             if use_fp8:
+                # The separate cast of the same token on the same kind of device: the same bits.
+                q_src, s_src = deep_ep.per_token_cast_to_fp8(x_all[s][t:t + 1].to(device), round_scale=round_scale)
+                assert torch.equal(q[le, i].view(torch.uint8).cpu(), q_src[0].view(torch.uint8).cpu()), (le, i)
+                assert torch.equal(scales[le, i].cpu(), s_src[0].cpu()), (le, i)
                 assert bool(((got - src).abs() <= src.abs() * 2.0 ** -4 + 1e-3).all())
             else:
                 assert torch.equal(got, src)
@@ -113,9 +123,7 @@ def _deepep_scenario(torch, epcomm, dist, rank, world, device, backend, use_fp8,
     for t in range(m):
         xt = x_all[rank][t:t + 1]
         if use_fp8:
-            # The cast as the sending rank made it: on its device (torch's CUDA and CPU casts may differ in
-            # the last fp8 bit, which the dispatch check above tolerates).
-            qq, ss = deep_ep.per_token_cast_to_fp8(xt.to(device))
+            qq, ss = deep_ep.per_token_cast_to_fp8(xt.to(device), round_scale=round_scale)
             xt_deq = qq.float().cpu() * ss.cpu().repeat_interleave(128, dim=1)
         else:
             xt_deq = xt.float()
@@ -124,14 +132,16 @@ def _deepep_scenario(torch, epcomm, dist, rank, world, device, backend, use_fp8,
             ref[t] += float(w_all[rank][t, k]) * (xt_deq[0] * (e + 1)).to(torch.bfloat16).double()
     err = (combined.cpu().double() - ref).abs()
     assert bool((err <= ref.abs() * 2.0 ** -8 + 1e-4).all()), f"combine error {float(err.max())}"
-    if use_fp8 and device == "cpu":
-        # torch's cast (used for torch tensors) and the library's CPU cast (used for numpy) give the same bits.
+    if use_fp8:
+        # torch's cast (used for torch tensors, on this device) and the library's CPU cast (used for numpy) give the
+        # same bits.
         import numpy as np
 
-        q_t, s_t = deep_ep.per_token_cast_to_fp8(x_all[rank])
+        q_t, s_t = deep_ep.per_token_cast_to_fp8(x_all[rank].to(device), round_scale=round_scale)
         q_n, s_n = deep_ep.per_token_cast_to_fp8(epcomm.typed(x_all[rank].view(torch.int16).numpy().view(np.uint16),
-                                                              "bf16"))
-        assert np.array_equal(q_t.view(torch.uint8).numpy(), q_n.array) and np.array_equal(s_t.numpy(), s_n)
+                                                              "bf16"), round_scale=round_scale)
+        assert np.array_equal(q_t.view(torch.uint8).cpu().numpy(), q_n.array)
+        assert np.array_equal(s_t.cpu().numpy(), s_n)
     buf.destroy()
     return {"rows": rows, "tokens": m}
 
@@ -142,6 +152,7 @@ SCENARIOS = [
     dict(name="pplx_compile_bf16", fn="pplx", internode=False, use_compile=True, out="bfloat16"),
     dict(name="deepep_fp8", fn="deepep", use_fp8=True, hook=False),
     dict(name="deepep_bf16_hook", fn="deepep", use_fp8=False, hook=True),
+    dict(name="deepep_fp8_round_scale_hook", fn="deepep", use_fp8=True, hook=True, round_scale=True),
 ]
 
 
@@ -178,7 +189,7 @@ def run(rank, world, port, device, results, backend=None, env=None, dump_after_s
                                        sc["use_compile"], getattr(torch, sc["out"]))
             else:
                 stats = _deepep_scenario(torch, epcomm, dist, rank, world, device, backend, sc["use_fp8"],
-                                         sc["hook"])
+                                         sc["hook"], sc.get("round_scale", False))
             results.put((sc["name"], rank, "ok", stats))
         except BaseException:  # noqa: BLE001
             results.put((sc["name"], rank, traceback.format_exc(), {}))

@@ -178,9 +178,16 @@ def _deepep_body(rank, world, address, case):
 
     T, E, K, H = 16, 8, 4, 256
     L = E // world
+    round_scale = case.get("round_scale", False)
+    x_fmt = case.get("x", "bf16")  # fp32 x: the cast runs before the dispatch (the dispatch casts bf16 only)
     rng = np.random.default_rng(5)
     ms = [int(rng.integers(1, T + 1)) for _ in range(world)]
-    xs = [nx.to_format(rng.standard_normal((m, H)).astype(np.float32) * 4, "bf16") for m in ms]
+    # Blocks of different magnitudes, one all zero (the 1e-4 amax floor): the scales differ block to block.
+    xs = [nx.to_format(rng.standard_normal((m, H)).astype(np.float32)
+                       * np.repeat(np.exp2(rng.integers(-12, 12, (m, H // 128))), 128, axis=1).astype(np.float32),
+                       "bf16") for m in ms]
+    for x_r in xs:
+        x_r[0, :128] = 0
     idx = [np.stack([rng.permutation(E)[:K] for _ in range(m)]).astype(np.int64) for m in ms]
     for i in idx:
         i[0, -1] = -1  # a masked slot
@@ -192,13 +199,20 @@ def _deepep_body(rank, world, address, case):
                          low_latency_mode=True, num_qps_per_rank=L, backend="host", rank=rank, world_size=world,
                          bootstrap=address)
     stats = np.zeros(L, np.int32)
-    x_arg = typed(nx.encode(xs[rank], "bf16"), "bf16")
+    x_arg = typed(nx.encode(xs[rank], "bf16"), "bf16") if x_fmt == "bf16" else xs[rank].astype(np.float32)
+
+    def separate_cast(rows):  # the cast a dispatch of fp8 expects: per_token_cast_to_fp8 of the bf16 values
+        return deep_ep.per_token_cast_to_fp8(typed(nx.encode(rows, "bf16"), "bf16"), round_scale=round_scale)
+
     checked = 0
     for step in range(case["steps"]):
         recv_x, recv_count, handle, event, hook = buf.low_latency_dispatch(
             x_arg, idx[rank], T, E, cumulative_local_expert_recv_stats=stats, use_fp8=case["fp8"],
-            async_finish=False, return_recv_hook=case["hook"])
+            round_scale=round_scale, async_finish=False, return_recv_hook=case["hook"])
         assert (hook is not None) == case["hook"]
+        # bf16 x with fp8: the host backend's dispatch casts (dispatch_cast); otherwise nothing is cast in it.
+        want_cast = ("fp8_blocks_pow2" if round_scale else "fp8_blocks") if case["fp8"] and x_fmt == "bf16" else "none"
+        assert handle.a2a.config.dispatch_cast.name == want_cast, handle.a2a.config
         if hook is not None:
             hook()
         event.current_stream_wait()
@@ -222,7 +236,7 @@ def _deepep_body(rank, world, address, case):
             for i, (s, t) in enumerate(want):
                 src = xs[s][t].astype(np.float64)
                 if case["fp8"]:
-                    q_src, s_src = deep_ep.per_token_cast_to_fp8(typed(nx.encode(xs[s][t:t + 1], "bf16"), "bf16"))
+                    q_src, s_src = separate_cast(xs[s][t:t + 1])
                     np.testing.assert_array_equal(q.array[le, i], q_src.array[0])
                     np.testing.assert_array_equal(scales[le, i], s_src[0])
                     # fp8 with per-128 scales: within one e4m3 rounding of the source (2^-4 relative; 2^-10 of
@@ -256,7 +270,7 @@ def _deepep_body(rank, world, address, case):
                 # This rank's token t row on expert e: recomputed from the source, as the owner did.
                 src = xs[rank][t].astype(np.float64)
                 if case["fp8"]:
-                    qq, ss = deep_ep.per_token_cast_to_fp8(typed(nx.encode(xs[rank][t:t + 1], "bf16"), "bf16"))
+                    qq, ss = separate_cast(xs[rank][t:t + 1])
                     src = nx.decode(qq.array[0], "fp8_e4m3") * np.repeat(ss[0], 128)
                 val = nx.to_format((src * (e + 1)).astype(np.float32), "bf16").astype(np.float64)
                 if e // L == rank:
@@ -269,3 +283,47 @@ def _deepep_body(rank, world, address, case):
     assert stats.tolist() == [case["steps"] * int(c) for c in recv_count.tolist()]
     buf.destroy()
     return dict(rows=checked, tokens=m * case["steps"])
+
+
+# ---- AllToAll(dispatch_cast=...): the fp8 cast inside the dispatch -----------------------------------------------------
+
+def cast_rank(rank, world, address, case, results):
+    _run(_cast_body, rank, (world, address, case), results)
+
+
+def _cast_body(rank, world, address, case):
+    """One object that casts (dispatch_cast) and one that dispatches what per_token_cast_to_fp8 made: their outputs
+    must be the same bits, in whole calls or split ones, batched or packed."""
+    import epcomm
+    from epcomm import deep_ep, typed
+
+    T, E, K, H = 12, 4 * world, 3, 384
+    cast = case["cast"]
+    rng = np.random.default_rng(31)
+    ms = [int(rng.integers(0, T + 1)) for _ in range(world)]
+    m = ms[rank]
+    x = nx.to_format(rng.standard_normal((T, H)).astype(np.float32)
+                     * np.repeat(np.exp2(rng.integers(-20, 20, (T, H // 128))), 128, axis=1).astype(np.float32),
+                     "bf16")[:m]
+    idx = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int64)[:m]
+    kw = dict(backend="host", bootstrap=address, layout=case["layout"], expert_padding=case.get("padding", 1))
+    fused = epcomm.AllToAll(T, E, K, rank, world, 1, H, H, H // 128 * 4, dispatch_cast=cast, **kw)
+    plain = epcomm.AllToAll(T, E, K, rank, world, 1, H, H, H // 128 * 4, **kw)
+    assert fused.config.dispatch_cast.name == cast and plain.config.dispatch_cast.name == "none"
+    x_bf16 = typed(nx.encode(x, "bf16"), "bf16")
+    q, s = deep_ep.per_token_cast_to_fp8(x_bf16, round_scale=cast == "fp8_blocks_pow2")
+    outs = []
+    for a2a, dp_x, dp_x_scale in ((fused, x_bf16, None), (plain, q, s)):
+        num, ex, ex_scale = a2a.alloc_dispatch_outputs()
+        assert ex.dtype == "fp8_e4m3" and ex_scale.dtype == np.float32
+        if case.get("split"):
+            a2a.dispatch(num, ex, ex_scale, dp_x, dp_x_scale, idx, do_recv=False)
+            a2a.dispatch(num, ex, ex_scale, dp_x, dp_x_scale, idx, do_send=False)
+        else:
+            a2a.dispatch(num, ex, ex_scale, dp_x, dp_x_scale, idx)
+        outs.append((num.copy(), ex.array.copy(), ex_scale.copy()))
+    for got, want in zip(outs[0], outs[1]):
+        np.testing.assert_array_equal(got, want)
+    fused.destroy()
+    plain.destroy()
+    return dict(rows=int(outs[0][0].sum()))
