@@ -17,6 +17,7 @@
 #include "backends/backends.hpp"
 #include "epcomm/error.hpp"
 #include "gpu_harness.hpp"
+#include "host/fp8_cast_cases.hpp"
 #include "support/multiprocess.hpp"
 #include "support/scoped_env.hpp"
 
@@ -657,6 +658,173 @@ TEST(NvlinkGpu, W1CallsOutOfOrderAreRefused) {
       },
       options());
   EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+// ---- The dispatch's fp8 cast (Config::dispatchCast): fused into the send half
+// ----------------------------------------
+
+// `rounds` rounds of `cc` on one nvlink object per rank (whole calls, or send and receive halves with a kernel of ours
+// in between), each compared bit for bit, counts, fp8 rows and scales (rows in use or not: the outputs start zeroed),
+// with the same tokens cast separately (reference::castFp8Blocks) and dispatched by the reference; a combine between
+// rounds. Round 1 repeats round 0's inputs through the same buffers (the backend's cached arguments).
+void castRounds(const test::CastCase& cc, uint32_t rounds, bool split) {
+  test::RunResult result = test::runRanks(
+      static_cast<int>(cc.W),
+      [&](int rank, Bootstrap& bootstrap) {
+        int count = 0;
+        CUDA_OK(cudaGetDeviceCount(&count));
+        CUDA_OK(cudaSetDevice(rank % count));
+        const Config c = cc.config(static_cast<uint32_t>(rank));
+        std::unique_ptr<AllToAll> a2a = createAllToAll(c, bootstrap, "nvlink");
+        int device = 0;
+        CUDA_OK(cudaGetDevice(&device));
+        cudaStream_t stream = nullptr;
+        CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        const int64_t T = cc.T, H = cc.H, K = cc.K;
+        const int64_t rows = static_cast<int64_t>(c.totalExpertRows());
+        test::CastOutputs shape(cc, static_cast<uint32_t>(rank));
+        DeviceBuffer x(T * H * 2), indices(T * K * 4), counts(shape.counts.bytes()), outX(shape.x.bytes()),
+            outScale(shape.scaleStorage.bytes()), y(rows * H * 2), out(T * H * 2), weights(T * K * 4);
+        CUDA_OK(cudaMemset(y.get(), 0, rows * H * 2));
+        CUDA_OK(cudaMemset(weights.get(), 0, T * K * 4));
+        auto onDevice = [&](TensorView v, void* data) {
+          v.data = data;
+          v.memory = MemoryKind::kCuda;
+          v.device = device;
+          return v;
+        };
+        for (uint32_t round = 0; round < rounds; ++round) {
+          const std::vector<test::CastInputs> in = test::castInputs(cc, round == 1 ? 0 : round);
+          const std::vector<test::CastOutputs> want = test::separateCastReference(cc, in);
+          const test::CastInputs& mine = in[rank];
+          const int64_t m = mine.m;
+          if (m > 0) {
+            x.upload(mine.x.data<void>(), mine.x.bytes());
+            indices.upload(mine.indices.data<void>(), mine.indices.bytes());
+          }
+          for (const DeviceBuffer* b : {&counts, &outX, &outScale}) CUDA_OK(cudaMemset(b->get(), 0, b->bytes()));
+          DispatchArgs d;
+          d.outExpertNumTokens = onDevice(shape.counts.view(), counts.get());
+          d.outExpertX = onDevice(shape.x.view(), outX.get());
+          d.outExpertXScale = onDevice(shape.scales, outScale.get());
+          d.x = TensorView::contiguous(x.get(), DType::kBf16, {m, H}, MemoryKind::kCuda, device);
+          d.indices = TensorView::contiguous(indices.get(), DType::kI32, {m, K}, MemoryKind::kCuda, device);
+          d.stream = stream;
+          if (split) {
+            DispatchArgs send = d, recv = d;
+            send.doRecv = false;
+            recv.doSend = false;
+            a2a->dispatch(send);
+            CUDA_OK(cudaMemsetAsync(y.get(), 0, 256, stream));  // other work on the stream between the halves
+            a2a->dispatch(recv);
+          } else {
+            a2a->dispatch(d);
+          }
+          a2a->synchronize();
+          test::CastOutputs got(cc, static_cast<uint32_t>(rank));
+          counts.download(got.counts.data<void>(), got.counts.bytes());
+          outX.download(got.x.data<void>(), got.x.bytes());
+          outScale.download(got.scaleStorage.data<void>(), got.scaleStorage.bytes());
+          const std::string diff = test::compareCastOutputs(got, want[rank]);
+          ASSERT_TRUE(diff.empty()) << "rank " << rank << " round " << round << " (" << c.toString() << "): " << diff;
+          CombineArgs cb;
+          cb.outTokens = TensorView::contiguous(out.get(), DType::kBf16, {m, H}, MemoryKind::kCuda, device);
+          cb.indices = d.indices;
+          cb.weights = TensorView::contiguous(weights.get(), DType::kF32, {m, K}, MemoryKind::kCuda, device);
+          cb.expertY =
+              cc.layout == Layout::kBatched
+                  ? TensorView::contiguous(y.get(), DType::kBf16,
+                                           {c.numLocalExperts(), static_cast<int64_t>(c.batchedRowsPerExpert()), H},
+                                           MemoryKind::kCuda, device)
+                  : TensorView::contiguous(y.get(), DType::kBf16, {rows, H}, MemoryKind::kCuda, device);
+          cb.stream = stream;
+          a2a->combine(cb);
+          a2a->synchronize();
+        }
+        a2a.reset();
+        cudaStreamDestroy(stream);
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+// One GPU: own tokens only (the fused kernel expands them straight from bf16 x, casting as it goes). Decode-sized
+// tokens (7168 elements, 56 scales) and DeepEP's column-major scales; split halves with power-of-two scales, masked
+// and repeated experts, packed rows; a batch of 600 tokens (two routing blocks, 512 threads per block).
+TEST(NvlinkGpu, W1Fp8CastMatchesSeparateCast) {
+  REQUIRE_GPUS(1);
+  test::CastCase decode;
+  decode.W = 1;
+  decode.E = 32;
+  decode.K = 8;
+  decode.H = 7168;
+  decode.T = 128;
+  decode.columnMajorScales = true;
+  decode.seed = 41;
+  castRounds(decode, 3, false);
+  test::CastCase split = decode;
+  split.cast = DispatchCast::kFp8BlocksPow2;
+  split.masked = true;
+  split.layout = Layout::kPacked;
+  split.padding = 8;
+  split.seed = 42;
+  castRounds(split, 2, true);
+  test::CastCase wide;
+  wide.W = 1;
+  wide.E = 16;
+  wide.K = 4;
+  wide.H = 1024;
+  wide.T = 600;
+  wide.masked = true;
+  wide.seed = 43;
+  castRounds(wide, 2, false);
+}
+
+// Two ranks (NVLINK_TEST_SHARE_GPU=1: on one GPU): the send half casts the peers' tokens into their staging (push)
+// and the own tokens into the rows. SPEC's decode shape with DeepEP's column-major scales; power-of-two scales with
+// split halves, masked experts and packed rows; DP groups of 2; a batch large enough for pull mode (1300 tokens of 8192
+// elements: the sender stages its cast tokens in its own region, the receivers read them over NVLink).
+TEST(NvlinkGpu, W2Fp8CastMatchesSeparateCast) {
+  REQUIRE_GPUS(2);
+  test::CastCase decode;
+  decode.W = 2;
+  decode.E = 256;
+  decode.K = 8;
+  decode.H = 7168;
+  decode.T = 128;
+  decode.columnMajorScales = true;
+  decode.ragged = false;
+  decode.seed = 51;
+  castRounds(decode, 3, false);
+  test::CastCase split = decode;
+  split.cast = DispatchCast::kFp8BlocksPow2;
+  split.masked = true;
+  split.ragged = true;
+  split.layout = Layout::kPacked;
+  split.padding = 4;
+  split.seed = 52;
+  castRounds(split, 2, true);
+  test::CastCase dp;
+  dp.W = 2;
+  dp.D = 2;
+  dp.E = 16;
+  dp.K = 4;
+  dp.H = 512;
+  dp.T = 48;
+  dp.masked = true;
+  dp.seed = 53;
+  castRounds(dp, 2, false);
+  test::CastCase pull;
+  pull.W = 2;
+  pull.E = 32;
+  pull.K = 6;
+  pull.H = 8192;
+  pull.T = 1300;
+  pull.masked = true;
+  pull.seed = 54;
+  castRounds(pull, 2, false);
+  pull.seed = 55;
+  castRounds(pull, 1, true);
 }
 
 // An expert index outside [-1, E) is detected on the device and reported as kDeviceError by the next call.
