@@ -20,11 +20,8 @@
 namespace epcomm {
 namespace bench {
 
-namespace {
-
-// Collective: creates the object on every rank, or on none. A backend that fails on some ranks only (before its
-// own collectives) would leave the ranks calling different collectives next; here every rank learns who failed and
-// why, and all of them skip the configuration together.
+// A backend that fails on some ranks only (before its own collectives) would leave the ranks calling different
+// collectives next; here every rank learns who failed and why, and all of them skip the configuration together.
 std::unique_ptr<AllToAll> createOnAll(const Config& c, Bootstrap& bs, const std::string& backend, std::string* whyNot) {
   std::unique_ptr<AllToAll> a2a;
   std::string err;
@@ -53,6 +50,8 @@ std::unique_ptr<AllToAll> createOnAll(const Config& c, Bootstrap& bs, const std:
   }
   return a2a;
 }
+
+namespace {
 
 // The device the backends use: EPCOMM_LOCAL_RANK when set (the launcher sets rank % GPUs), else rank % GPUs.
 int pickDevice(int rank, int count) {
@@ -125,7 +124,13 @@ void Bench::run() {
   }
   if (o_.floor && gpu_) measureFloor();
   for (const std::string& name : o_.configs) {
-    for (uint32_t T : o_.tokens) runOne(name, T);
+    for (uint32_t T : o_.tokens) {
+      if (o_.fp8.empty()) {
+        runOne(name, T);
+      } else {
+        runFp8Cast(name, T);
+      }
+    }
   }
   if (report_) report_->finish();
 }

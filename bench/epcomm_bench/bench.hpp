@@ -9,6 +9,7 @@
 #include <string>
 
 #include "baselines.hpp"
+#include "epcomm/all_to_all.hpp"
 #include "epcomm/bootstrap.hpp"
 #include "options.hpp"
 #include "report.hpp"
@@ -16,6 +17,9 @@
 
 namespace epcomm {
 namespace bench {
+
+/// Collective: creates the object on every rank, or on none (then *whyNot names the first rank that failed and why).
+std::unique_ptr<AllToAll> createOnAll(const Config& c, Bootstrap& bs, const std::string& backend, std::string* whyNot);
 
 class Bench {
  public:
@@ -30,6 +34,10 @@ class Bench {
  private:
   void setUpGpu();
   void runOne(const std::string& name, uint32_t tokens);
+  /// --fp8: the dispatch of bf16 tokens that arrive as fp8 + scales, cast by the dispatch (fused) and / or by a cast
+  /// kernel before an fp8 dispatch (separate), on the same tokens, with a check that both give the same bits
+  /// (fp8_bench.cc).
+  void runFp8Cast(const std::string& name, uint32_t tokens);
   /// The method's floor (--floor): an empty kernel, and a one-flag exchange between ranks (floor.cc).
   void measureFloor();
   /// Host backend: whether all ranks' tensors and buffers fit in this machine's memory (rank 0 decides).

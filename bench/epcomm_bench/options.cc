@@ -44,7 +44,7 @@ const char* usage() {
          "  epcomm-bench [--backend auto|nvlink|nvshmem|proxy|host] [--world W] [--config decode,prefill,small,qwen3]\n"
          "               [--tokens 1,8,32,128,512,4096] [--iters 200] [--warmup 20] [--dp 1] [--json out.jsonl]\n"
          "               [--plot out.png] [--rev GIT_REV] [--barrier shm|tcp] [--floor] [--max-tokens N]\n"
-         "               [--layout batched|packed]\n"
+         "               [--layout batched|packed] [--fp8 fused|separate|both]\n"
          "\n"
          "  Starts W processes (one per GPU by default; 4 without a GPU), rank r on GPU r % GPUs. Times in us:\n"
          "  median over --iters after --warmup, the maximum over ranks; a table, then JSON lines (--json).\n"
@@ -53,6 +53,10 @@ const char* usage() {
          "  --max-tokens N: create each object for max(T, N) tokens (an engine's capacity) and send T\n"
          "  --layout: outExpertX / expertY as [L, rows per expert, ...] (default) or experts back to back\n"
          "  --floor: also time an empty kernel and a one-flag exchange between ranks (the method's floor)\n"
+         "  --fp8 MODE: the fp8 configurations (decode, prefill) dispatch bf16 tokens that arrive as fp8 e4m3 + fp32\n"
+         "      scales per 128 (DeepEP's low-latency use_fp8): fused = the dispatch casts (Config::dispatchCast),\n"
+         "      separate = a cast kernel, then the dispatch of its fp8 output, both = the two in the same run, on the\n"
+         "      same tokens (and a check that their outputs are the same bits); other configurations are skipped\n"
          "  --plot FILE.png: after the run, draw time against tokens (scripts/plot; needs matplotlib)\n"
          "  --list-backends: print the backends this build contains and exit\n"
          "\n"
@@ -115,6 +119,10 @@ Options parseOptions(int argc, char** argv) {
       EPCOMM_CHECK(l == "batched" || l == "packed", kInvalidArgument,
                    "--layout must be batched or packed, got '" << l << "'");
       o.layout = l == "batched" ? Layout::kBatched : Layout::kPacked;
+    } else if (a == "--fp8") {
+      o.fp8 = next();
+      EPCOMM_CHECK(o.fp8 == "fused" || o.fp8 == "separate" || o.fp8 == "both", kInvalidArgument,
+                   "--fp8 must be fused, separate or both, got '" << o.fp8 << "'");
     } else if (a == "-h" || a == "--help") {
       o.help = true;
     } else if (a == "--list-backends") {

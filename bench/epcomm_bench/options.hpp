@@ -26,8 +26,12 @@ struct Options {
   bool floor = false;           ///< --floor: also time an empty launch and a one-flag exchange (the method's floor).
   uint32_t maxTokens = 0;       ///< --max-tokens: the object's capacity (maxNumTokens) when above T.
   Layout layout = Layout::kBatched;  ///< --layout: of outExpertX / expertY.
-  bool help = false;                 ///< -h / --help: print usage() and exit 0.
-  bool listBackends = false;         ///< --list-backends: print the backends of this build and exit 0.
+  /// --fp8: "" (off), "fused", "separate" or "both": the fp8 configurations (decode, prefill) dispatch bf16 tokens that
+  /// arrive as fp8 + scales, cast by the dispatch itself (Config::dispatchCast) and / or by a cast kernel before an fp8
+  /// dispatch, timed in the same run (Bench::runFp8Cast).
+  std::string fp8;
+  bool help = false;          ///< -h / --help: print usage() and exit 0.
+  bool listBackends = false;  ///< --list-backends: print the backends of this build and exit 0.
   // Given on the command line (else the host backend substitutes its own defaults, see applyHostDefaults).
   bool configsSet = false, tokensSet = false, itersSet = false, warmupSet = false;
 };

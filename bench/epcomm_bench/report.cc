@@ -182,6 +182,38 @@ void Report::fabricOps(const std::string& backend, const std::string& config, ui
   if (!gpu_) extras_.push_back(line);
 }
 
+void Report::fp8Row(const Fp8Row& r) {
+  const char* format = "%-8s %6s %-9s | %9s %9s %9s | %8s | %8s | %s\n";
+  if (!fp8Header_) {
+    fp8Header_ = true;
+    std::printf(
+        "# --fp8: dispatch of bf16 tokens that arrive as fp8 e4m3 + fp32 scales per 128 (DeepEP's low-latency "
+        "use_fp8). fused: the dispatch casts (Config::dispatchCast); separate: a cast kernel, then the dispatch of its "
+        "fp8 output. dispatch / d.dev / graph: the whole path (separate: cast + dispatch), eager with the launches, "
+        "with the launches hidden, and replayed from one CUDA graph; cast: the cast kernel alone\n");
+    std::printf(format, "config", "tokens", "mode", "dispatch", "d.dev", "graph", "cast", "combine", "same bits");
+  }
+  const char* same = r.sameBits < 0 ? "-" : r.sameBits ? "yes" : "NO";
+  std::printf(format, r.config.c_str(), std::to_string(r.tokens).c_str(), r.mode.c_str(), num(r.dispatch).c_str(),
+              num(r.dispatchDev).c_str(), num(r.graph).c_str(), r.mode == "fused" ? "-" : num(r.cast).c_str(),
+              num(r.combine).c_str(), same);
+  std::fflush(stdout);
+  std::ostringstream f;
+  f << "{\"bench\":\"epcomm-fp8-cast\",\"backend\":\"" << r.backend << "\",\"world\":" << world_
+    << ",\"dp\":" << r.c.dpSize << ",\"config\":\"" << r.config << "\",\"layout\":\"" << layoutName(r.c.layout)
+    << "\",\"tokens\":" << r.tokens << ",\"max_tokens\":" << r.c.maxNumTokens << ",\"mode\":\"" << r.mode
+    << "\",\"dispatch_us\":" << jnum(r.dispatch) << ",\"dispatch_device_us\":" << jnum(r.dispatchDev)
+    << ",\"dispatch_graph_us\":" << jnum(r.graph) << ",\"cast_us\":" << jnum(r.cast)
+    << ",\"combine_us\":" << jnum(r.combine) << ",\"same_bits\":"
+    << (r.sameBits < 0 ? "null"
+        : r.sameBits   ? "true"
+                       : "false")
+    << ",\"shared_gpu\":" << (sharedGpu_ ? "true" : "false") << ",\"iters\":" << o_.iters << ",\"warmup\":" << o_.warmup
+    << ",\"rev\":\"" << rev_ << "\",\"machine\":\"" << machine_ << "\",\"date\":\"" << nowUtc() << "\"}\n";
+  json(f.str());
+  if (!gpu_) rows_.push_back(f.str());
+}
+
 void Report::finish() {
   if (gpu_ || (rows_.empty() && extras_.empty())) return;
   std::printf("# JSON lines: one per table row, then the fabric operations per configuration\n");

@@ -40,6 +40,21 @@ struct RowInfo {
   std::string fabricProvider;  ///< Provider of the a2a baseline ("" when not run).
 };
 
+/// One row of --fp8: the dispatch of bf16 tokens that arrive as fp8 + scales, by one path (us, median, max over ranks;
+/// -1 = not measured).
+struct Fp8Row {
+  std::string backend, config;
+  Config c;
+  uint32_t tokens = 0;
+  std::string mode;         ///< "fused" (the dispatch casts) or "separate" (cast kernel, then the fp8 dispatch)
+  double dispatch = -1;     ///< Eager, launch(es) included: the dispatch, or the cast and the dispatch.
+  double dispatchDev = -1;  ///< The same with the launches hidden behind a GPU spin.
+  double graph = -1;        ///< Replayed from one CUDA graph (separate: the cast and the dispatch in it).
+  double cast = -1;         ///< Separate: the cast kernel alone, eager.
+  double combine = -1;      ///< The combine that follows, eager (the same work either way).
+  int sameBits = -1;        ///< 1: this path's outputs are the other's bits (both run); 0: they differ; -1: not checked
+};
+
 /// Rank 0's writer.
 class Report {
  public:
@@ -55,6 +70,8 @@ class Report {
   void row(const RowInfo& r, const Measurement& m);
   /// Fabric operations per peer per round (TransferStats of rank 0's object), after the row.
   void fabricOps(const std::string& backend, const std::string& config, uint32_t tokens, const TransferStats& st);
+  /// --fp8: the table's header (once, before the first row) and a row, with its JSON line.
+  void fp8Row(const Fp8Row& r);
   /// Host backend: the JSON lines, after the table.
   void finish();
 
@@ -66,6 +83,7 @@ class Report {
   bool gpu_, sharedGpu_;
   std::string machine_, barrier_, rev_;
   std::vector<std::string> rows_, extras_;  // host: JSON lines printed after the table (rows, then the rest)
+  bool fp8Header_ = false;
 };
 
 }  // namespace bench
