@@ -291,7 +291,9 @@ CheckedCombine checkCombineArgs(const Config& c, const CombineArgs& a, MemoryKin
 }
 
 void checkSendHalfWeights(const Config& c, const TensorView& w, int device, const char* backend) {
-  EPCOMM_CHECK(w.data != nullptr && w.memory == MemoryKind::kCuda && w.device == device, kInvalidArgument,
+  // A rank without tokens this round may pass a 0-row tensor without storage (null data): nothing reads it.
+  EPCOMM_CHECK((w.data != nullptr || hasNoElements(w)) && w.memory == MemoryKind::kCuda && w.device == device,
+               kInvalidArgument,
                backend << " combine send half needs weights on cuda:" << device << ", got " << w.toString());
   EPCOMM_CHECK(w.ndim == 2 && w.dtype == DType::kF32 && w.shape[1] == c.expertsPerToken &&
                    w.shape[0] <= c.maxNumTokens && w.strides[0] >= 0 && w.strides[1] >= 0,
