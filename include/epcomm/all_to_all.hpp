@@ -91,6 +91,26 @@ class AllToAll {
   /// Bytes of communication buffers this object allocated (device and pinned host), for the planner.
   virtual uint64_t bufferBytes() const = 0;
 
+  /// Elastic ranks (docs/failures.md, "Elastic ranks"): the active-ranks mask, worldSize entries, 1 = the rank takes
+  /// part in rounds, 0 = masked. A masked rank is skipped in every send and wait; tokens routed to its experts are
+  /// dropped (left out of combine; the other weights are not renormalised) and counted (droppedTokens), and tokens it
+  /// would have sent for its DP group are not dispatched. The host backend masks a peer whose wait times out, whose
+  /// writes fail or that leaves, once the other ranks agree, when EPCOMM_ELASTIC=1; the call that lost the peer
+  /// throws and the next rounds run without it. Reading the mask does not block. Backends without elastic ranks
+  /// throw kUnavailable.
+  virtual std::vector<int32_t> activeRanks() const;
+  /// Masks ranks on purpose: collective over the active ranks, those it masks included, each passing the same mask
+  /// (0 for every rank to mask) between rounds. Blocks until the ranks that stay agree: on the intersection of their
+  /// masks and of the ranks each still hears from (one that does not answer within EPCOMM_TIMEOUT_MS is masked too
+  /// with EPCOMM_ELASTIC=1, else the call throws kTimeout). A rank whose own entry is 0 leaves: it returns once the
+  /// others answered (they have its writes of the rounds before), and every later call on its object throws. A
+  /// masked rank never becomes active again (kInvalidArgument: create a new object for that). Backends without
+  /// elastic ranks throw kUnavailable.
+  virtual void setActiveRanks(const std::vector<int32_t>& mask);
+  /// (token, k) positions of this rank's combines since creation whose expert's rank, or whose token's sending rank,
+  /// was masked: the terms left out of its outputs. Backends without elastic ranks throw kUnavailable.
+  virtual uint64_t droppedTokens() const;
+
  protected:
   AllToAll() = default;
 };

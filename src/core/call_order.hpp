@@ -39,6 +39,8 @@ class CallOrder {
   void combined(bool doSend, bool doRecv) { advance(doSend, doRecv, State::kCombineSent, State::kIdle); }
 
   State state() const { return state_; }
+  /// Back to idle: the step in progress is over without completing (a round lost to a peer, elastic ranks).
+  void reset() { state_ = State::kIdle; }
 
   static const char* name(State state) {
     switch (state) {

@@ -23,6 +23,9 @@ const std::vector<EnvVar>& envVars() {
       {"EPCOMM_BACKEND", "auto", "backend chosen by the factory: auto, nvlink, nvshmem, proxy, host"},
       {"EPCOMM_FABRIC_PROVIDER", "", "libfabric provider for the TransferEngine (empty: probe efa, verbs, tcp, shm)"},
       {"EPCOMM_PRIVATE_TOKENS", "-1", "host/proxy backend: tokens in each sender's private area (-1: derived)"},
+      {"EPCOMM_ELASTIC", "0",
+       "host backend: 1 = a peer that times out, whose writes fail or that leaves is masked once the other ranks "
+       "agree, and the object goes on without it (docs/failures.md, Elastic ranks); 0 = the object becomes unusable"},
       {"EPCOMM_PROXY_CPU", "-1", "core to pin the progress/proxy thread to (-1: not pinned)"},
       {"EPCOMM_PROXY_LOCAL_SIZE", "0",
        "proxy backend: ranks per node, grouped by rank (rank / size is the node); a node's peers exchange entries and "

@@ -102,7 +102,7 @@ uint32_t RoundLayout::overflowEntries(uint32_t s, uint32_t p) const {
   return n > private_ ? n - private_ : 0;
 }
 
-void RoundLayout::build(const ProtocolSizes& sizes, std::vector<uint32_t> counts) {
+void RoundLayout::build(const ProtocolSizes& sizes, std::vector<uint32_t> counts, const std::vector<uint8_t>& active) {
   W_ = sizes.worldSize;
   E_ = sizes.numExperts;
   L_ = sizes.numLocalExperts;
@@ -113,7 +113,31 @@ void RoundLayout::build(const ProtocolSizes& sizes, std::vector<uint32_t> counts
   stride_ = static_cast<size_t>(E_) + W_;
   EPCOMM_CHECK(counts.size() == stride_ * W_, kInternal,
                "round layout: " << counts.size() << " counts for " << W_ << " heads of " << stride_);
+  EPCOMM_CHECK(active.empty() || active.size() == W_, kInternal,
+               "round layout: a mask of " << active.size() << " ranks for " << W_);
   counts_ = std::move(counts);
+  active_ = active.empty() ? std::vector<uint8_t>(W_, 1) : active;
+  // Masked ranks (elastic ranks): a masked sender's head is not read (it never arrived, or is stale), and nothing
+  // is counted towards a masked rank's experts, so that every active rank derives the same offsets without them.
+  // Every active sender marks the ranks it masks; a mark that differs from this rank's mask means the two ranks
+  // agreed on different masks, and the round must not go on with offsets that differ.
+  for (uint32_t s = 0; s < W_; ++s) {
+    uint32_t* row = counts_.data() + static_cast<size_t>(s) * stride_;
+    if (!active_[s]) {
+      std::fill(row, row + stride_, 0u);
+      continue;
+    }
+    for (uint32_t q = 0; q < W_; ++q) {
+      const bool marked = row[E_ + q] == kMaskedEntries;
+      EPCOMM_CHECK(marked == !active_[q], kPeerFailure,
+                   "rank " << rank_ << ": rank " << s << "'s head " << (marked ? "masks" : "does not mask") << " rank "
+                           << q << " but this rank " << (active_[q] ? "does not" : "does")
+                           << " (the ranks agreed on different masks)");
+      if (active_[q]) continue;
+      row[E_ + q] = 0;
+      std::fill(row + static_cast<size_t>(q) * L_, row + static_cast<size_t>(q + 1) * L_, 0u);
+    }
+  }
 
   // Overflow: on every receiver p, senders' remaining entries back to back in sender order, so each sender
   // knows where its one bulk write goes as soon as it has every head.

@@ -72,6 +72,31 @@ struct NoticeWire {
 };
 static_assert(sizeof(NoticeWire) == kNoticeBytes, "a notice fills its slot");
 
+/// Elastic ranks (docs/failures.md): the ranks of an object agree on a new active-ranks mask by writing these records
+/// into each other's agreement slots (two per sender, by the parity of the proposed epoch, so that a record for the
+/// next epoch never overwrites the one for this epoch) before the immediate (kConnect, parity 1, sender). A record is
+/// the sender's proposal: the ranks it still believes alive (its view), the earliest round step it knows lost, and
+/// why. `seq` is written at both ends, as in NoticeWire.
+constexpr uint32_t kAgreeBytes = 1024;
+constexpr uint64_t kNoLostStep = ~0ull;  ///< AgreeWire::lostStep when no round was lost (a caller's mask change).
+struct AgreeWire {
+  uint32_t seq;       ///< 1, 2, ... per sender and object.
+  uint32_t epoch;     ///< The epoch the record proposes (the sender's current epoch + 1).
+  uint64_t lostStep;  ///< 2 * round + (0 dispatch, 1 combine), rounds counted from the start of the sender's epoch.
+  int32_t code;       ///< ErrorCode of the loss (0 for a caller's mask change).
+  uint16_t length;    ///< Bytes of text.
+  uint16_t reserved;
+  char text[480];
+  uint64_t view[kMaxRanks / 64];  ///< Bit r: the sender believes rank r alive and active.
+  uint32_t seqEnd;                ///< == seq once the whole record has landed.
+  uint32_t pad;
+};
+static_assert(sizeof(AgreeWire) == kAgreeBytes, "a record fills its slot");
+
+/// entryCounts[q] of a head whose sender has rank q masked: receivers check that every head marks exactly the ranks
+/// they mask (so ranks that disagree on the mask fail the round instead of computing different offsets).
+constexpr uint32_t kMaskedEntries = 0xFFFFFFFFu;
+
 /// Sizes of one object's registered buffers and wire formats. Pure arithmetic on the Config.
 ///
 /// Dispatch wire format. A sender packs, for every destination rank p, one *send slot*:
@@ -166,8 +191,14 @@ EPCOMM_HD uint32_t* headEntryCounts(void* head, uint32_t numExperts) {
 /// the next round while combine still needs them.
 class RoundLayout {
  public:
-  /// counts: W rows of (E + W) u32, sender s's head at row s.
-  void build(const ProtocolSizes& sizes, std::vector<uint32_t> counts);
+  /// counts: W rows of (E + W) u32, sender s's head at row s. `active` (W entries, 1 = active; empty = all active):
+  /// a masked sender's row and every count towards a masked rank's experts count as zero, so no offset depends on
+  /// them. Throws kPeerFailure when a head's marks of masked ranks (kMaskedEntries) differ from `active`.
+  void build(const ProtocolSizes& sizes, std::vector<uint32_t> counts, const std::vector<uint8_t>& active = {});
+  /// The mask the layout was built with (W entries; all 1 when built without one).
+  const std::vector<uint8_t>& active() const { return active_; }
+  /// Whether rank r took part in the round.
+  bool isActive(uint32_t r) const { return active_[r] != 0; }
 
   /// Rows sender s sent to global expert e.
   uint32_t expertCount(uint32_t s, uint32_t e) const { return counts_[static_cast<size_t>(s) * stride_ + e]; }
@@ -204,6 +235,7 @@ class RoundLayout {
   uint32_t W_ = 0, E_ = 0, L_ = 0, D_ = 1, G_ = 0, rank_ = 0, private_ = 0;
   size_t stride_ = 0;
   std::vector<uint32_t> counts_;
+  std::vector<uint8_t> active_;
   std::vector<uint64_t> overflowStart_;
   std::vector<uint64_t> slotOffset_;
   std::vector<uint64_t> combineRows_;

@@ -11,50 +11,12 @@
 #include "core/log.hpp"
 #include "epcomm/error.hpp"
 #include "fabric/engine_base.hpp"
+#include "proxy/channel_wait.hpp"
 
 namespace epcomm {
 namespace proxy {
 
 namespace {
-
-int64_t nowMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-int64_t nowUs() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-// How long the proxy polls (cheap, leaves progress to the engine's thread) before it drives the engine itself
-// inside waitImm / waitCounter. Small rounds finish within it, so their latency is that of polling; large rounds
-// (milliseconds of transfer on a few shared cores) gain from one driving thread per rank instead of two.
-constexpr int64_t kDriveAfterUs = 300;
-
-// Polling pause: yield first (a peer usually answers within microseconds), then sleep so that ranks sharing few
-// cores do not starve each other's progress threads.
-class Backoff {
- public:
-  void pause() {
-    ++n_;
-    if (n_ < 64) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(n_ < 2048 ? 20 : 200));
-    }
-  }
-
- private:
-  uint32_t n_ = 0;
-};
-
-std::string rankList(const std::vector<uint32_t>& ranks) {
-  std::ostringstream oss;
-  oss << (ranks.size() == 1 ? "rank " : "ranks ");
-  for (size_t i = 0; i < ranks.size(); ++i) oss << (i ? ", " : "") << ranks[i];
-  return oss.str();
-}
 
 std::atomic<uint32_t> gNextObjectId{0};
 
@@ -76,11 +38,16 @@ ProxyChannel::ProxyChannel(const Config& config, Bootstrap& bootstrap, const Cha
   timeoutMs_ = options.timeoutMs > 0 ? options.timeoutMs : env().timeoutMs;
   rank_ = config.rank;
   world_ = config.worldSize;
+  elastic_ = options.elastic > 0;
+  skipWrite_ = options.skipWrite;
+  active_.assign(world_, 1);
+  view_ = active_;
 
   // Rank 0 names the object; every rank uses its tags. Ids only need to differ between objects sharing an engine.
   uint32_t id = gNextObjectId.fetch_add(1) % kMaxObjectIds;
   bootstrap.broadcast(&id, sizeof(id), 0);
   objectId_ = id;
+  tagId_ = objectId_;
 
   sendBuf_ = allocBytes(sizes_.sendBytes);
   recvBuf_ = allocBytes(sizes_.recvBytes);
@@ -98,14 +65,18 @@ ProxyChannel::ProxyChannel(const Config& config, Bootstrap& bootstrap, const Cha
 
   fabric::EngineOptions eo;
   eo.provider = !options.provider.empty() ? options.provider : env().fabricProvider;
-  eo.numNics = 1;
+  // Elastic ranks: one endpoint per peer where the engine has enough (it sends to peer p through endpoint p % numNics).
+  // An endpoint posts in order, and a write to a dead peer that the provider refuses (FI_EAGAIN, once it has seen the
+  // connection go) holds every later write of its endpoint until its deadline: live peers behind it would look dead.
+  eo.numNics = elastic_ ? static_cast<int>(std::min<uint32_t>(fabric::kMaxNics, std::max<uint32_t>(1, world_ - 1))) : 1;
   eo.progressCpu = env().proxyCpu;
   eo.timeoutMs = timeoutMs_;
   engine_ = fabric::TransferEngine::create(eo);
   // Peers write into each other's private areas at offsets sized by privateTokens: it must agree, like the provider.
   checkSettingsAgree(bootstrap, "host/proxy channel",
                      {{"private_tokens (EPCOMM_PRIVATE_TOKENS)", std::to_string(sizes_.privateTokens)},
-                      {"fabric provider (EPCOMM_FABRIC_PROVIDER)", engine_->providerName()}});
+                      {"fabric provider (EPCOMM_FABRIC_PROVIDER)", engine_->providerName()},
+                      {"elastic (EPCOMM_ELASTIC)", elastic_ ? "1" : "0"}});
   sendMr_ = engine_->registerMemory(sendBuf_.get(), roundUpPow2(std::max<uint64_t>(sizes_.sendBytes, 1), 4096));
   recvMr_ = engine_->registerMemory(recvBuf_.get(), roundUpPow2(std::max<uint64_t>(sizes_.recvBytes, 1), 4096));
   combineSendMr_ = engine_->registerMemory(combineSendBuf_.get(), combineSendCapacity_);
@@ -144,11 +115,30 @@ ProxyChannel::ProxyChannel(const Config& config, Bootstrap& bootstrap, const Cha
     noticeDescs_[r] = fabric::MemoryDesc::deserialize(noticeDescs[r].data(), noticeDescs[r].size());
   }
   notices_.assign(world_, Notice{});
+  // Agreement slots (elastic ranks): two per sender, then the outgoing record (see AgreeWire).
+  const uint64_t agreeBytes = roundUpPow2((2ull * world_ + 1) * kAgreeBytes, 4096);
+  agreeBuf_ = allocBytes(agreeBytes);
+  agreeMr_ = engine_->registerMemory(agreeBuf_.get(), agreeBytes);
+  const auto agreeDescs = allGatherBlobs(bootstrap, agreeMr_->desc().serialize());
+  agreeDescs_.resize(world_);
+  for (uint32_t r = 0; r < world_; ++r) {
+    agreeDescs_[r] = fabric::MemoryDesc::deserialize(agreeDescs[r].data(), agreeDescs[r].size());
+  }
+  records_.assign(2ull * world_, PeerRecord{});
+  recordUnread_.assign(world_, 0);
+  lastHeard_.assign(world_, 0);
+  peerPosted_.assign(world_, 0);
+  peerWrites_ = std::make_shared<PeerWrites>(world_);
   driver_ = dynamic_cast<fabric::EngineBase*>(engine_.get());
   stats_.peers.assign(world_, PeerOps{});
   // Nobody writes before every peer has registered its buffers and added its peers.
   bootstrap.barrier();
-  connectInRankOrder();
+  try {
+    connectInRankOrder();
+  } catch (const PeerLoss& loss) {
+    // No agreement at creation: a peer lost before the first round fails the creation.
+    detail::throwError(loss.code, loss.message, __FILE__, __LINE__);
+  }
   // Every pair's connection is up before anyone's first round.
   bootstrap.barrier();
   EPCOMM_LOG(kInfo, "proxy channel: object " << objectId_ << " provider " << engine_->providerName() << " private "
@@ -168,6 +158,9 @@ ProxyChannel::~ProxyChannel() {
   const int64_t deadline = nowMs() + std::min<int64_t>(timeoutMs_, 2000);
   Backoff backoff;
   while (localDone_.load() < localPosted_ && nowMs() < deadline) backoff.pause();
+  for (uint32_t p : peerRanks_) {
+    while (peerWrites_->done[p].load() < peerPosted_[p] && nowMs() < deadline) backoff.pause();
+  }
   // Notices to peers that are gone fail (the engine records it) or never complete: neither is worth more waiting.
   std::lock_guard<std::mutex> lock(noticeMu_);
   while (noticeDone_.load() < noticePosted_ && nowMs() < deadline) {
@@ -234,7 +227,9 @@ const uint8_t* ProxyChannel::combineRows(uint32_t p, uint64_t rowBytes) const {
 
 std::string ProxyChannel::prefix(const char* phase, uint32_t round) const {
   std::ostringstream oss;
-  oss << "host/proxy rank " << rank_ << ": " << phase << " (object " << objectId_ << ", round " << round << ")";
+  oss << "host/proxy rank " << rank_ << ": " << phase << " (object " << objectId_;
+  if (epoch_ > 0) oss << ", epoch " << epoch_;
+  oss << ", round " << round << ")";
   return oss.str();
 }
 
@@ -270,7 +265,7 @@ void ProxyChannel::post(const Job& job) {
 }
 
 void ProxyChannel::postDispatch() {
-  Job job{JobKind::kDispatch, ++postedSeq_, round_++, dispatchedSinceCombine_, DType::kInvalid};
+  Job job{JobKind::kDispatch, ++postedSeq_, round_++, dispatchedSinceCombine_, DType::kInvalid, {}};
   dispatchedSinceCombine_ = true;
   post(job);
 }
@@ -279,14 +274,14 @@ void ProxyChannel::postCombine(DType yDtype) {
   (void)combinePhase(yDtype);
   EPCOMM_CHECK(round_ > 0, kInvalidArgument, "combine before any dispatch");
   rowBytes_ = static_cast<uint64_t>(config_.hiddenDim) * dtypeSize(yDtype);
-  Job job{JobKind::kCombine, ++postedSeq_, round_ - 1, false, yDtype};
+  Job job{JobKind::kCombine, ++postedSeq_, round_ - 1, false, yDtype, {}};
   dispatchedSinceCombine_ = false;
   post(job);
 }
 
 void ProxyChannel::exchangeDispatch() {
   EPCOMM_CHECK(!thread_.joinable(), kInternal, "exchangeDispatch on a channel with its own proxy thread");
-  Job job{JobKind::kDispatch, 0, round_++, dispatchedSinceCombine_, DType::kInvalid};
+  Job job{JobKind::kDispatch, 0, round_++, dispatchedSinceCombine_, DType::kInvalid, {}};
   dispatchedSinceCombine_ = true;
   runExternal(job);
 }
@@ -296,7 +291,7 @@ void ProxyChannel::exchangeCombine(DType yDtype) {
   (void)combinePhase(yDtype);
   EPCOMM_CHECK(round_ > 0, kInvalidArgument, "combine before any dispatch");
   rowBytes_ = static_cast<uint64_t>(config_.hiddenDim) * dtypeSize(yDtype);
-  Job job{JobKind::kCombine, 0, round_ - 1, false, yDtype};
+  Job job{JobKind::kCombine, 0, round_ - 1, false, yDtype, {}};
   dispatchedSinceCombine_ = false;
   runExternal(job);
 }
@@ -304,12 +299,8 @@ void ProxyChannel::exchangeCombine(DType yDtype) {
 void ProxyChannel::runExternal(const Job& job) {
   rethrowIfBroken();
   try {
-    if (job.kind == JobKind::kDispatch) {
-      if (job.barrierFirst) runBarrier(job);
-      runDispatch(job);
-    } else {
-      runCombine(job);
-    }
+    const std::exception_ptr lost = runJob(job);
+    if (lost) std::rethrow_exception(lost);
   } catch (...) {
     const std::exception_ptr failure = std::current_exception();
     {
@@ -322,11 +313,11 @@ void ProxyChannel::runExternal(const Job& job) {
       try {
         std::rethrow_exception(failure);
       } catch (const Error& e) {
-        sendNotice(kind, job.round, true, e.code(), e.message());
+        sendNotice(kind, roundOf(job), true, e.code(), e.message());
       } catch (const std::exception& e) {
-        sendNotice(kind, job.round, true, ErrorCode::kInternal, e.what());
+        sendNotice(kind, roundOf(job), true, ErrorCode::kInternal, e.what());
       } catch (...) {
-        sendNotice(kind, job.round, true, ErrorCode::kInternal, "unknown error");
+        sendNotice(kind, roundOf(job), true, ErrorCode::kInternal, "unknown error");
       }
     }
     throw;
@@ -344,11 +335,19 @@ void ProxyChannel::waitCombine() { waitJob(postedSeq_, "combine receive"); }
 
 void ProxyChannel::waitJob(uint64_t seq, const char* what) {
   std::unique_lock<std::mutex> lock(mu_);
-  // The job's own waits are each bounded by the timeout; this bound only guards against a proxy bug.
-  const auto bound = std::chrono::milliseconds(4 * timeoutMs_ + 1000);
-  const bool finished = cv_.wait_for(lock, bound, [&] {
+  // The job's own waits are each bounded by the timeout; this bound only guards against a proxy bug. An elastic job
+  // may add an agreement (each member dropped costs a timeout) and its dispatch once more.
+  const int64_t boundMs = (elastic_ ? 6 + 2 * static_cast<int64_t>(world_) : 4) * timeoutMs_ + 1000;
+  const bool finished = cv_.wait_for(lock, std::chrono::milliseconds(boundMs), [&] {
     return doneSeq_ >= seq || error_ != nullptr || (userNoticeSeq_ == seq && !userNotice_.empty());
   });
+  if (lostSeq_ == seq && lostError_) {
+    // The round was lost to a peer's loss; the channel goes on with the ranks that agreed.
+    std::exception_ptr lost = nullptr;
+    lost.swap(lostError_);
+    lostRoundTaken_ = true;
+    std::rethrow_exception(lost);
+  }
   if (doneSeq_ >= seq) return;
   if (error_) std::rethrow_exception(error_);
   if (userNoticeSeq_ == seq && !userNotice_.empty()) {
@@ -359,7 +358,7 @@ void ProxyChannel::waitJob(uint64_t seq, const char* what) {
   }
   EPCOMM_CHECK(finished, kTimeout,
                "host/proxy rank " << rank_ << ": " << what << " (object " << objectId_
-                                  << "): the proxy thread did not finish within " << 4 * timeoutMs_ + 1000 << " ms");
+                                  << "): the proxy thread did not finish within " << boundMs << " ms");
 }
 
 void ProxyChannel::proxyLoop() {
@@ -374,18 +373,17 @@ void ProxyChannel::proxyLoop() {
     }
     currentJobSeq_ = job.seq;
     try {
-      if (job.kind == JobKind::kDispatch) {
-        if (job.barrierFirst) runBarrier(job);
-        runDispatch(job);
-      } else {
-        runCombine(job);
-      }
+      const std::exception_ptr lost = runJob(job);
       std::lock_guard<std::mutex> lock(mu_);
       doneSeq_ = job.seq;
       userNotice_.clear();
-      if (job.kind == JobKind::kDispatch) {
+      if (lost) {
+        lostSeq_ = job.seq;
+        lostError_ = lost;
+        jobs_.clear();
+      } else if (job.kind == JobKind::kDispatch) {
         ++stats_.dispatchRounds;
-      } else {
+      } else if (job.kind == JobKind::kCombine) {
         ++stats_.combineRounds;
       }
     } catch (...) {
@@ -402,11 +400,11 @@ void ProxyChannel::proxyLoop() {
         try {
           std::rethrow_exception(failure);
         } catch (const Error& e) {
-          sendNotice(job.kind == JobKind::kCombine ? 1 : 0, job.round, true, e.code(), e.message());
+          sendNotice(job.kind == JobKind::kCombine ? 1 : 0, roundOf(job), true, e.code(), e.message());
         } catch (const std::exception& e) {
-          sendNotice(job.kind == JobKind::kCombine ? 1 : 0, job.round, true, ErrorCode::kInternal, e.what());
+          sendNotice(job.kind == JobKind::kCombine ? 1 : 0, roundOf(job), true, ErrorCode::kInternal, e.what());
         } catch (...) {
-          sendNotice(job.kind == JobKind::kCombine ? 1 : 0, job.round, true, ErrorCode::kInternal, "unknown error");
+          sendNotice(job.kind == JobKind::kCombine ? 1 : 0, roundOf(job), true, ErrorCode::kInternal, "unknown error");
         }
       }
     }
@@ -424,7 +422,7 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
       if (other == phase) continue;
       for (uint32_t s : senders) {
         EPCOMM_CHECK(
-            engine_->immCount(encodeImm(objectId_, other, round, s)) == 0, kInvalidArgument,
+            engine_->immCount(encodeImm(tagId_, other, round, s)) == 0, kInvalidArgument,
             prefix(what, round) << ": rank " << s << " sent combine rows of another expertY dtype than this rank's");
       }
     }
@@ -432,7 +430,7 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
   while (!senders.empty()) {
     bool progressed = false;
     for (size_t i = 0; i < senders.size();) {
-      const uint32_t imm = encodeImm(objectId_, phase, round, senders[i]);
+      const uint32_t imm = encodeImm(tagId_, phase, round, senders[i]);
       if (engine_->immCount(imm) >= 1) {
         engine_->waitImm(imm, 1, what);  // consumes the arrival; returns at once
         senders[i] = senders.back();
@@ -446,18 +444,23 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
     std::sort(senders.begin(), senders.end());
     checkDtypes();
     checkNotices(phase < Phase::kCombineBf16 ? 0 : 1, round, senders, currentJobSeq_);
-    try {
-      engine_->checkErrors();
-    } catch (const Error& e) {
-      // The engine's code is kept (its kTimeout stays kTimeout, a dead peer's kFabric stays kFabric): callers branch
-      // on it; only the message gains this rank, the phase and the peers still awaited.
-      rethrowEngineError(e, prefix(what, round) + ": transfer failed while waiting for " + phaseName(phase) + " from " +
-                                rankList(senders));
-    }
+    if (elastic_) checkRecords(what, round);
+    checkTransfers(prefix(what, round) + ": transfer failed while waiting for " + phaseName(phase) + " from " +
+                   rankList(senders));
     EPCOMM_CHECK(!stop_.load(), kInternal, prefix(what, round) << ": abandoned (object destroyed)");
+    if (elastic_) heartbeat(start, senders);
     if (nowMs() - start > timeoutMs_) {
-      EPCOMM_THROW(kTimeout, prefix(what, round) << ": no " << phaseName(phase) << " from " << rankList(senders)
-                                                 << " after " << timeoutMs_ << " ms (peer dead or stalled?)");
+      // Elastic: a peer heard from lately is alive, and waits itself (for a dead rank, whose loss it reports): wait on
+      // for it, up to three timeouts in all.
+      const std::vector<uint32_t> silent = elastic_ ? silentPeers(senders) : senders;
+      if (!silent.empty() || nowMs() - start > 3 * timeoutMs_) {
+        const std::vector<uint32_t>& lost = silent.empty() ? senders : silent;
+        std::ostringstream oss;
+        oss << prefix(what, round) << ": no " << phaseName(phase) << " from " << rankList(lost) << " after "
+            << nowMs() - start << " ms (peer dead or stalled?)";
+        if (elastic_) throw PeerLoss{ErrorCode::kTimeout, oss.str(), lost, kNoLostStep, {}};
+        detail::throwError(ErrorCode::kTimeout, oss.str(), __FILE__, __LINE__);
+      }
     }
     if (!progressed && nowUs() - startUs < kDriveAfterUs) {
       backoff.pause();
@@ -467,9 +470,9 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
       const uint32_t s0 = senders.front();
       if (driver_ != nullptr) {
         // In slices, so that a peer's notice is seen within milliseconds; the loop above consumes the arrival.
-        const uint32_t imm = encodeImm(objectId_, phase, round, s0);
+        const uint32_t imm = encodeImm(tagId_, phase, round, s0);
         try {
-          driveFor([&] { return engine_->immCount(imm) >= 1 || noticePending(); }, 20);
+          driveFor([&] { return engine_->immCount(imm) >= 1 || noticePending() || recordPending(); }, 20);
         } catch (const Error& e) {
           checkDtypes();
           rethrowEngineError(
@@ -480,7 +483,7 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
       std::ostringstream oss;
       oss << prefix(what, round) << ": no " << phaseName(phase) << " from rank " << s0;
       try {
-        engine_->waitImm(encodeImm(objectId_, phase, round, s0), 1, oss.str());
+        engine_->waitImm(encodeImm(tagId_, phase, round, s0), 1, oss.str());
       } catch (const Error& e) {
         checkDtypes();  // a wrong-dtype peer is named as such, not as late
         rethrowEngineError(
@@ -492,6 +495,10 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
 }
 
 void ProxyChannel::waitLocalCompletions(const char* what, uint32_t round) {
+  if (perPeer()) {
+    waitPeerCompletions(what, round);
+    return;
+  }
   const int64_t startUs = nowUs();
   Backoff backoff;
   while (localDone_.load(std::memory_order_acquire) < localPosted_) {
@@ -522,8 +529,39 @@ void ProxyChannel::waitLocalCompletions(const char* what, uint32_t round) {
   }
 }
 
+void ProxyChannel::checkTransfers(const std::string& context) {
+  if (!perPeer() || !elastic_) {
+    try {
+      engine_->checkErrors();
+    } catch (const Error& e) {
+      // The engine's code is kept (its kTimeout stays kTimeout, a dead peer's kFabric stays kFabric): callers branch
+      // on it; only the message gains this rank, the phase and the peers still awaited.
+      rethrowEngineError(e, context);
+    }
+    return;
+  }
+  // Elastic: the engine keeps the first failed write for good, whichever peer it went to; the completions say which
+  // peer, and a failed write to a peer that is masked already is no news.
+  for (uint32_t p : peerRanks_) {
+    const std::string error = peerError(p);
+    if (error.empty()) continue;
+    const ErrorCode code = error.find("timed out") != std::string::npos ? ErrorCode::kTimeout : ErrorCode::kFabric;
+    throw PeerLoss{
+        code, context + ": a write to rank " + std::to_string(p) + " failed: " + error, {p}, kNoLostStep, {}};
+  }
+}
+
 bool ProxyChannel::driveFor(const std::function<bool()>& done, int64_t budgetMs) {
-  if (driver_ != nullptr) return driver_->driveUntil(done, budgetMs);
+  if (driver_ != nullptr && !engineTainted_) {
+    if (!elastic_) return driver_->driveUntil(done, budgetMs);
+    try {
+      return driver_->driveUntil(done, budgetMs);
+    } catch (const Error&) {
+      // A write to a peer that is gone failed, and the engine keeps that error for good: from now on the engine's
+      // progress thread moves the data and this thread only polls (the failed write is reported per peer).
+      engineTainted_ = true;
+    }
+  }
   const int64_t deadline = nowMs() + budgetMs;
   Backoff backoff;
   while (!done() && nowMs() < deadline) backoff.pause();
@@ -532,7 +570,7 @@ bool ProxyChannel::driveFor(const std::function<bool()>& done, int64_t budgetMs)
 
 bool ProxyChannel::noticePending() const {
   for (uint32_t s : peerRanks_) {
-    if (engine_->immCount(encodeImm(objectId_, Phase::kNotice, 0, s)) > 0) return true;
+    if (engine_->immCount(encodeImm(tagId_, Phase::kNotice, 0, s)) > 0) return true;
   }
   return false;
 }
@@ -562,7 +600,7 @@ void ProxyChannel::sendNotice(uint32_t kind, uint32_t round, bool fatal, ErrorCo
     for (uint32_t p : peerRanks_) {
       ++noticePosted_;
       engine_->write(peerIds_[p], *noticeMr_, outgoing, noticeDescs_[p], static_cast<uint64_t>(rank_) * kNoticeBytes,
-                     kNoticeBytes, true, encodeImm(objectId_, Phase::kNotice, 0, rank_), done);
+                     kNoticeBytes, true, encodeImm(tagId_, Phase::kNotice, 0, rank_), done);
     }
   } catch (...) {
     // Best effort: without the notice the peers still end their waits at the timeout.
@@ -570,8 +608,10 @@ void ProxyChannel::sendNotice(uint32_t kind, uint32_t round, bool fatal, ErrorCo
 }
 
 void ProxyChannel::noticeRefused(bool combine, const std::string& message) {
-  // The round the call belonged to: the next dispatch, or the combine of the last one.
-  const uint32_t round = combine ? (round_ > 0 ? round_ - 1 : 0) : round_;
+  // The round the call belonged to: the next dispatch, or the combine of the last one (counted in the epoch; the first
+  // dispatch of an epoch is its round 0).
+  const uint32_t base = epochBase_.load();
+  const uint32_t round = combine ? (round_ > base ? round_ - 1 - base : 0) : (epochFresh_ ? 0 : round_ - base);
   sendNotice(combine ? 1 : 0, round, false, ErrorCode::kInvalidArgument, message);
 }
 
@@ -581,14 +621,14 @@ void ProxyChannel::noticeAbandoned(const std::string& message) {
     std::lock_guard<std::mutex> lock(mu_);
     if (error_) return;
   }
-  sendNotice(2, round_, true, ErrorCode::kPeerFailure, message);
+  sendNotice(2, round_ - epochBase_.load(), true, ErrorCode::kPeerFailure, message);
 }
 
 void ProxyChannel::checkNotices(uint32_t kind, uint32_t round, const std::vector<uint32_t>& awaited, uint64_t jobSeq) {
   const uint64_t here = 2ull * round + kind;  // rounds in call order: dispatch r, combine r, dispatch r + 1, ...
   for (uint32_t s : peerRanks_) {
     Notice& n = notices_[s];
-    const uint32_t imm = encodeImm(objectId_, Phase::kNotice, 0, s);
+    const uint32_t imm = encodeImm(tagId_, Phase::kNotice, 0, s);
     const uint64_t arrived = engine_->immCount(imm);
     if (arrived > 0) {
       engine_->waitImm(imm, arrived, "notice");  // consumes them; returns at once
@@ -611,6 +651,13 @@ void ProxyChannel::checkNotices(uint32_t kind, uint32_t round, const std::vector
     }
     if (n.seq == 0 || n.handled) continue;
     const char* call = n.kind == 1 ? "combine" : "dispatch";
+    if (n.fatal && n.kind == 2 && elastic_) {
+      // A rank that left is lost like a dead one: the others mask it and go on.
+      n.handled = true;
+      std::ostringstream oss;
+      oss << prefix(kind == 1 ? "combine" : "dispatch", round) << ": rank " << s << " left: " << n.text;
+      throw PeerLoss{ErrorCode::kPeerFailure, oss.str(), {s}, kNoLostStep, {}};
+    }
     if (n.fatal) {
       const std::string what = n.kind == 2 ? std::string(" left") : std::string(" aborted ") + call;
       n.handled = true;
@@ -674,43 +721,64 @@ void ProxyChannel::connectInRankOrder() {
 
 void ProxyChannel::runBarrier(const Job& job) {
   if (peerRanks_.empty()) return;
-  fabric::Completion done;
-  done.counter = &localDone_;
-  ++localPosted_;
-  engine_->barrier(headGroup_, encodeImm(objectId_, Phase::kBarrier, job.round, rank_), done);
+  const uint32_t round = roundOf(job);
+  const uint32_t imm = encodeImm(tagId_, Phase::kBarrier, round, rank_);
+  if (perPeer()) {
+    for (uint32_t p : peerRanks_) postToPeer(p, nullptr, 0, nullptr, 0, 0, imm);
+  } else {
+    fabric::Completion done;
+    done.counter = &localDone_;
+    ++localPosted_;
+    engine_->barrier(headGroup_, imm, done);
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (uint32_t r : peerRanks_) ++stats_.peers[r].barrierImms;
   }
-  waitFromPeers(Phase::kBarrier, job.round, peerRanks_, "dispatch barrier");
+  waitFromPeers(Phase::kBarrier, round, peerRanks_, "dispatch barrier");
 }
 
 void ProxyChannel::runDispatch(const Job& job) {
   const ProtocolSizes& s = sizes_;
+  const uint32_t round = roundOf(job);
   uint8_t* ownHead = sendSlot(rank_);
   const uint32_t* ownEntries = headEntryCounts(ownHead, s.numExperts);
   fabric::Completion done;
   done.counter = &localDone_;
+  markMaskedRanks();
 
   // 1. Head + private tokens to every peer, at once: nobody waits for the count exchange to start moving data.
+  const uint32_t headImm = encodeImm(tagId_, Phase::kHead, round, rank_);
   if (!peerRanks_.empty()) {
     std::vector<std::vector<fabric::ScatterSlice>> slices(peerRanks_.size());
-    std::lock_guard<std::mutex> lock(mu_);
-    for (size_t i = 0; i < peerRanks_.size(); ++i) {
-      const uint32_t p = peerRanks_[i];
-      const uint64_t n = fabricBulk(p) ? std::min(ownEntries[p], s.privateTokens) : 0;
-      const uint64_t length = s.headBytes + n * s.entryBytes;
-      slices[i].push_back(fabric::ScatterSlice{s.sendSlotOffset(p), s.privateSlotOffset(rank_), length});
-      ++stats_.peers[p].headWrites;
-      stats_.peers[p].bytes += length;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (size_t i = 0; i < peerRanks_.size(); ++i) {
+        const uint32_t p = peerRanks_[i];
+        const uint64_t n = fabricBulk(p) ? std::min(ownEntries[p], s.privateTokens) : 0;
+        const uint64_t length = s.headBytes + n * s.entryBytes;
+        slices[i].push_back(fabric::ScatterSlice{s.sendSlotOffset(p), s.privateSlotOffset(rank_), length});
+        ++stats_.peers[p].headWrites;
+        stats_.peers[p].bytes += length;
+      }
     }
-    ++localPosted_;
-    engine_->scatter(headGroup_, *sendMr_, slices, true, encodeImm(objectId_, Phase::kHead, job.round, rank_), done);
+    if (perPeer()) {
+      for (size_t i = 0; i < peerRanks_.size(); ++i) {
+        const fabric::ScatterSlice& sl = slices[i][0];
+        if (skipWrite_ && skipWrite_(Phase::kHead, peerRanks_[i])) continue;
+        postToPeer(peerRanks_[i], sendMr_.get(), sl.srcOffset, &recvDescs_[peerRanks_[i]], sl.dstOffset, sl.length,
+                   headImm);
+      }
+    } else {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++localPosted_;
+      engine_->scatter(headGroup_, *sendMr_, slices, true, headImm, done);
+    }
   }
   if (onPosted_) onPosted_(Phase::kHead);
 
   // 2. Every peer's head; then everybody knows every count and computes the same offsets.
-  waitFromPeers(Phase::kHead, job.round, peerRanks_, "dispatch");
+  waitFromPeers(Phase::kHead, round, peerRanks_, "dispatch");
   const size_t stride = static_cast<size_t>(s.numExperts) + s.worldSize;
   std::vector<uint32_t> counts(stride * s.worldSize);
   for (uint32_t r = 0; r < s.worldSize; ++r) {
@@ -718,57 +786,82 @@ void ProxyChannel::runDispatch(const Job& job) {
     std::memcpy(counts.data() + r * stride, head, stride * 4);
   }
   RoundLayout layout;
-  layout.build(s, std::move(counts));
+  layout.build(s, std::move(counts), active_);
 
   // 3. The rest as one contiguous write per peer, into that peer's overflow region.
   std::vector<uint32_t> expectBulk;
+  const uint32_t bulkImm = encodeImm(tagId_, Phase::kBulk, round, rank_);
   for (uint32_t p : peerRanks_) {
     if (!fabricBulk(p)) continue;  // its entries go another way; its overflow share stays unused
     const uint64_t n = layout.overflowEntries(rank_, p);
     if (n > 0) {
       const uint64_t length = n * s.entryBytes;
-      ++localPosted_;
-      engine_->write(peerIds_[p], *sendMr_, s.sendSlotOffset(p) + s.headBytes + s.privateTokens * s.entryBytes,
-                     recvDescs_[p], s.overflowOffset() + layout.overflowStart(rank_, p) * s.entryBytes, length, true,
-                     encodeImm(objectId_, Phase::kBulk, job.round, rank_), done);
+      const uint64_t srcOffset = s.sendSlotOffset(p) + s.headBytes + s.privateTokens * s.entryBytes;
+      const uint64_t dstOffset = s.overflowOffset() + layout.overflowStart(rank_, p) * s.entryBytes;
+      if (perPeer()) {
+        if (!(skipWrite_ && skipWrite_(Phase::kBulk, p))) {
+          postToPeer(p, sendMr_.get(), srcOffset, &recvDescs_[p], dstOffset, length, bulkImm);
+        }
+      } else {
+        ++localPosted_;
+        engine_->write(peerIds_[p], *sendMr_, srcOffset, recvDescs_[p], dstOffset, length, true, bulkImm, done);
+      }
       std::lock_guard<std::mutex> lock(mu_);
       ++stats_.peers[p].bulkWrites;
       stats_.peers[p].bytes += length;
     }
     if (layout.overflowEntries(p, rank_) > 0) expectBulk.push_back(p);
   }
-  waitFromPeers(Phase::kBulk, job.round, expectBulk, "dispatch");
+  waitFromPeers(Phase::kBulk, round, expectBulk, "dispatch");
   // The send slots are repacked by the next round: this round's writes must have left them.
-  waitLocalCompletions("dispatch", job.round);
+  waitLocalCompletions("dispatch", round);
   layout_ = std::move(layout);
 }
 
 void ProxyChannel::runCombine(const Job& job) {
   const Phase phase = combinePhase(job.yDtype);
+  const uint32_t round = roundOf(job);
   const uint32_t D = sizes_.dpSize;
   fabric::Completion done;
   done.counter = &localDone_;
+  const uint32_t imm = encodeImm(tagId_, phase, round, rank_);
   if (!peerRanks_.empty()) {
     // One write per peer: the rows of the peer's DP group (the same source range for every rank of a group).
     std::vector<std::vector<fabric::ScatterSlice>> slices(peerRanks_.size());
-    std::lock_guard<std::mutex> lock(mu_);
-    for (size_t i = 0; i < peerRanks_.size(); ++i) {
-      const uint32_t q = peerRanks_[i];
-      const uint32_t g = q / D;
-      const uint64_t length = fabricBulk(q) ? layout_.combineRows(rank_, g) * rowBytes_ : 0;
-      if (length > 0) {
-        slices[i].push_back(fabric::ScatterSlice{layout_.combineSendStart(g) * rowBytes_,
-                                                 layout_.combineRecvStartIn(g, rank_) * rowBytes_, length});
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (size_t i = 0; i < peerRanks_.size(); ++i) {
+        const uint32_t q = peerRanks_[i];
+        const uint32_t g = q / D;
+        const uint64_t length = fabricBulk(q) ? layout_.combineRows(rank_, g) * rowBytes_ : 0;
+        if (length > 0) {
+          slices[i].push_back(fabric::ScatterSlice{layout_.combineSendStart(g) * rowBytes_,
+                                                   layout_.combineRecvStartIn(g, rank_) * rowBytes_, length});
+        }
+        ++stats_.peers[q].combineWrites;
+        stats_.peers[q].bytes += length;
       }
-      ++stats_.peers[q].combineWrites;
-      stats_.peers[q].bytes += length;
     }
-    ++localPosted_;
-    engine_->scatter(combineGroup_, *combineSendMr_, slices, true, encodeImm(objectId_, phase, job.round, rank_), done);
+    if (perPeer()) {
+      for (size_t i = 0; i < peerRanks_.size(); ++i) {
+        const uint32_t q = peerRanks_[i];
+        if (skipWrite_ && skipWrite_(phase, q)) continue;
+        if (slices[i].empty()) {
+          postToPeer(q, nullptr, 0, nullptr, 0, 0, imm);
+        } else {
+          const fabric::ScatterSlice& sl = slices[i][0];
+          postToPeer(q, combineSendMr_.get(), sl.srcOffset, &combineRecvDescs_[q], sl.dstOffset, sl.length, imm);
+        }
+      }
+    } else {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++localPosted_;
+      engine_->scatter(combineGroup_, *combineSendMr_, slices, true, imm, done);
+    }
   }
   if (onPosted_) onPosted_(phase);
-  waitFromPeers(phase, job.round, peerRanks_, "combine");
-  waitLocalCompletions("combine", job.round);
+  waitFromPeers(phase, round, peerRanks_, "combine");
+  waitLocalCompletions("combine", round);
 }
 
 }  // namespace proxy

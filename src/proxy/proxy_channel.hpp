@@ -60,6 +60,13 @@ struct ChannelOptions {
   /// its head (without private tokens), the combine immediate (without rows), barriers and notices. The marks must be
   /// symmetric across ranks (both ends of a pair agree), else a rank waits for bytes that never come.
   std::vector<bool> bulkOverFabric;
+  /// Elastic ranks (docs/failures.md): 1 = a peer that times out, whose writes fail or that leaves is masked once the
+  /// other ranks agree, and the channel goes on without it (the round that lost it fails, the next ones run); 0 = such
+  /// a failure breaks the channel; -1 = 0 here (the host backend reads EPCOMM_ELASTIC). Every rank must agree.
+  int elastic = -1;
+  /// Tests of elastic ranks: called before each write of a round's data to one peer (head, bulk, combine rows) when
+  /// the channel writes per peer (elastic); true skips that write, as a rank that dies between two of its writes does.
+  std::function<bool(Phase phase, uint32_t peer)> skipWrite;
 };
 
 /// Fabric operations this rank issued to one peer (cumulative). Each write carries its immediate.
@@ -147,25 +154,65 @@ class ProxyChannel {
   /// last dispatch; else the next dispatch. Best effort: never throws.
   void noticeRefused(bool combine, const std::string& message);
   /// Tells every peer that this rank gives the object up mid-round (e.g. destroys it after a failed call): their
-  /// waits for it end at once with `message`, and their objects are unusable from then on. Never throws.
+  /// waits for it end at once with `message`, and their objects are unusable from then on (elastic: they mask this
+  /// rank). Never throws.
   void noticeAbandoned(const std::string& message);
 
+  // ---- Elastic ranks (proxy_elastic.cc; docs/failures.md "Elastic ranks") ----
+
+  /// Whether a peer's loss masks it (ChannelOptions::elastic) instead of breaking the channel.
+  bool elastic() const { return elastic_; }
+  /// The active-ranks mask the ranks last agreed on (W entries, 1 = active). Thread-safe.
+  std::vector<uint8_t> activeRanks() const;
+  /// Collective over the active ranks (`mask`: W entries of 0 / 1, no rank made active again): the ranks active in
+  /// `mask` agree on a new mask, the intersection of every participant's `mask` and of the ranks each one still hears
+  /// from, and the next round runs with it; a rank whose own entry is 0 answers them and leaves (later calls on it
+  /// throw). Call between rounds. Blocks, each wait for a peer's answer bounded by the timeout (elastic: a peer that
+  /// does not answer is masked; else kTimeout and the channel is broken). Throws kInvalidArgument for a bad mask,
+  /// before anything is sent.
+  void setActiveRanks(const std::vector<uint8_t>& mask);
+  /// True once after waitDispatch / waitCombine threw because the round was lost to a peer's loss while the channel
+  /// goes on with the ranks that agreed (the round is over: the next call is a dispatch).
+  bool takeLostRound();
   /// A copy of the counters.
   ChannelStats stats() const;
   /// Rethrows the error that broke the channel, if any.
   void rethrowIfBroken() const;
 
  private:
-  enum class JobKind { kDispatch, kCombine };
+  enum class JobKind { kDispatch, kCombine, kAgree };
   struct Job {
     JobKind kind;
     uint64_t seq;
     uint32_t round;
     bool barrierFirst;
     DType yDtype;
+    std::vector<uint8_t> mask;  // kAgree: the caller's mask
+  };
+
+  // A round lost to peers that are gone (elastic ranks): thrown inside an exchange and caught by runJob, which then
+  // runs the agreement. Not an Error, so that the sites that add context to an Error let it pass.
+  struct PeerLoss {
+    ErrorCode code;
+    std::string message;
+    std::vector<uint32_t> ranks;  // ranks this rank now takes for lost
+    uint64_t lostStep;            // a peer's record: the step it lost; kNoLostStep: this rank's own detection
+    std::string reason;           // what this rank's record says: the first detection's message ("": message)
+  };
+  // One peer's agreement record as read (AgreeWire).
+  struct PeerRecord {
+    uint32_t seq = 0;
+    uint32_t epoch = 0;
+    uint64_t lostStep = kNoLostStep;
+    int32_t code = 0;
+    std::string text;
+    std::vector<uint8_t> view;
   };
 
   void proxyLoop();
+  // Runs one job. Elastic: a round lost to peers runs the agreement, then either runs the dispatch again with the
+  // ranks that agreed or ends the job; returns the error for the caller then (the channel goes on), else nullptr.
+  std::exception_ptr runJob(const Job& job);
   void runDispatch(const Job& job);
   void runCombine(const Job& job);
   void runBarrier(const Job& job);
@@ -179,7 +226,48 @@ class ProxyChannel {
   void runExternal(const Job& job);
   void waitJob(uint64_t seq, const char* what);
   std::string prefix(const char* phase, uint32_t round) const;
+  // The job's round counted from the start of the current epoch (what tags and notices carry).
+  uint32_t roundOf(const Job& job) const { return job.round - epochBase_.load(); }
+  // Throws the first transfer error: the engine's (non-elastic), or a failed write to an active peer (per peer).
+  void checkTransfers(const std::string& context);
 
+  // ---- Elastic ranks (proxy_elastic.cc) ----
+  // Writes one at a time with a completion per peer: elastic (a failed write names its peer), or once a rank is
+  // masked (the groups include it).
+  bool perPeer() const { return elastic_ || epoch_ > 0; }
+  void postToPeer(uint32_t p, const fabric::MemoryRegion* src, uint64_t srcOffset, const fabric::MemoryDesc* dst,
+                  uint64_t dstOffset, uint64_t length, uint32_t imm);
+  // waitLocalCompletions for the writes of postToPeer: those to active peers only.
+  void waitPeerCompletions(const char* what, uint32_t round);
+  // Marks the masked ranks in the head of every send slot (kMaskedEntries).
+  void markMaskedRanks();
+  // Agreement records (AgreeWire).
+  // Writes this rank's record for `epoch` to the ranks of view_ and, if given, of `alsoTo` (ranks a caller's mask
+  // drops, which answer before they leave).
+  void sendRecord(uint32_t epoch, int32_t code, const std::string& text, const std::vector<uint8_t>* alsoTo = nullptr);
+  void readRecords();
+  bool recordPending() const;
+  const PeerRecord* recordOf(uint32_t s, uint32_t epoch) const;
+  // Elastic: throws PeerLoss when an active peer proposes the next epoch (it lost a round); `what`, `round`: the wait.
+  void checkRecords(const char* what, uint32_t round);
+  // Elastic: during a long wait (since waitStartMs), tells the active peers that are not awaited that this rank is
+  // alive (an immediate every quarter of the timeout), so that a peer waiting for this rank, which itself waits for a
+  // dead one, does not take it for dead.
+  void heartbeat(int64_t waitStartMs, const std::vector<uint32_t>& awaited);
+  // Elastic: of `awaited` (a wait that timed out), the ranks not heard from (data, record or heartbeat) in the last
+  // half timeout: the ones to take for lost.
+  std::vector<uint32_t> silentPeers(const std::vector<uint32_t>& awaited);
+  // Runs the agreement on the next epoch from view_ and adopts it (epoch_, active_, tags, peers). Throws Error when
+  // this rank is masked by its peers, or (non-elastic) when a peer does not answer.
+  void runAgreement(int32_t code, const std::string& text, const std::vector<uint8_t>* alsoTo = nullptr);
+  // setActiveRanks on a rank that masks itself: it tells the ranks that stay and waits until each answered (so each
+  // has finished the rounds before, and has this rank's writes of them), then takes no part any more.
+  void leave(const std::vector<uint8_t>& mask);
+  // Elastic: what runJob does with a lost round; returns true when the dispatch runs again.
+  bool recoverFromLoss(const Job& job, const PeerLoss& loss, std::exception_ptr* error);
+  // Makes the mask of a new epoch effective: tags, peers, the next dispatch's round 0.
+  void adoptEpoch(uint32_t epoch);
+  std::string maskText(const std::vector<uint8_t>& mask) const;
   // Notices (NoticeWire): a peer that refused a call or gave a round up, so that waits for it end at once.
   struct Notice {
     uint32_t seq = 0;  // 0: none yet
@@ -202,7 +290,8 @@ class ProxyChannel {
   Config config_;
   ProtocolSizes sizes_;
   std::function<void(Phase)> onPosted_;
-  std::vector<bool> bulkOverFabric_;  // ChannelOptions::bulkOverFabric
+  std::vector<bool> bulkOverFabric_;                // ChannelOptions::bulkOverFabric
+  std::function<bool(Phase, uint32_t)> skipWrite_;  // ChannelOptions::skipWrite
   bool fabricBulk(uint32_t p) const { return bulkOverFabric_.empty() || bulkOverFabric_[p]; }
   int64_t timeoutMs_ = 0;
   uint32_t objectId_ = 0;
@@ -252,6 +341,48 @@ class ProxyChannel {
   uint32_t noticeSeq_ = 0;
   std::atomic<uint64_t> noticeDone_{0};
   uint64_t noticePosted_ = 0;
+
+  // Elastic ranks. active_ is the agreed mask (written by the exchanging thread, under mu_ for readers elsewhere),
+  // view_ this rank's proposal (active_ less the ranks it takes for lost), epoch_ the number of agreements so far;
+  // tagId_ = objectId_ + epoch_ goes into every immediate of the epoch, so a round never consumes an immediate of an
+  // earlier epoch. epochBase_: the caller's round number of the epoch's first dispatch (its round 0).
+  bool elastic_ = false;
+  std::vector<uint8_t> active_, view_;
+  uint32_t epoch_ = 0;
+  uint32_t tagId_ = 0;
+  std::atomic<uint32_t> epochBase_{0};
+  std::atomic<bool> epochFresh_{false};  // the next dispatch job is the epoch's round 0
+  uint64_t lostStep_ = kNoLostStep;      // earliest step known lost in the current epoch (this rank's or a record's)
+  uint64_t agreedLost_ = kNoLostStep;    // the lost step the last agreement settled on
+  bool engineTainted_ = false;           // the engine recorded an error (a write to a lost peer): poll, do not drive
+  std::atomic<bool> selfMasked_{false};  // this rank left (setActiveRanks) or its peers masked it
+  // Writes of postToPeer: posted per peer (exchanging thread), and what their completions report, shared with the
+  // completion callbacks (which may run after the channel is gone).
+  struct PeerWrites {
+    explicit PeerWrites(uint32_t world) : done(new std::atomic<uint64_t>[world]), error(world) {
+      for (uint32_t r = 0; r < world; ++r) done[r].store(0);
+    }
+    std::unique_ptr<std::atomic<uint64_t>[]> done;  // completions (success or failure) per peer
+    std::mutex mu;
+    std::vector<std::string> error;  // first failure per peer
+  };
+  std::vector<uint64_t> peerPosted_;
+  std::shared_ptr<PeerWrites> peerWrites_;
+  // The first failed write to peer p since the channel was created ("" if none).
+  std::string peerError(uint32_t p) const;
+  // Agreement slots: 2 per sender (by epoch parity), then this rank's outgoing record.
+  std::unique_ptr<uint8_t, FreeBytes> agreeBuf_;
+  std::unique_ptr<fabric::MemoryRegion> agreeMr_;
+  std::vector<fabric::MemoryDesc> agreeDescs_;  // by rank
+  std::vector<PeerRecord> records_;             // [sender * 2 + epoch parity]
+  std::vector<uint8_t> recordUnread_;           // by sender
+  uint32_t recordSeq_ = 0;
+  std::vector<int64_t> lastHeard_;  // by sender: when its last record or heartbeat arrived (ms)
+  int64_t lastBeatMs_ = 0;          // when this rank last sent a heartbeat
+  // A job whose round was lost (elastic): waitJob throws its error once; takeLostRound reports it once.
+  uint64_t lostSeq_ = 0;
+  std::exception_ptr lostError_;
+  bool lostRoundTaken_ = false;
 
   std::thread thread_;
 };

@@ -4,6 +4,7 @@
 
 #include "backends/backends.hpp"
 #include "backends/host/host_kernels.hpp"
+#include "core/env.hpp"
 #include "core/routing_digest.hpp"
 #include "epcomm/error.hpp"
 #include "epcomm/fabric/transfer_engine.hpp"
@@ -19,7 +20,9 @@ HostAllToAll::HostAllToAll(const Config& config, Bootstrap& bootstrap, const Hos
       kInvalidArgument,
       "host backend: config says rank " << config.rank << " of " << config.worldSize << ", the bootstrap "
                                         << bootstrap.rank() << " of " << bootstrap.worldSize());
-  channel_ = std::make_unique<proxy::ProxyChannel>(config_, bootstrap, options);
+  HostOptions opts = options;
+  if (opts.elastic < 0) opts.elastic = envInt("EPCOMM_ELASTIC") != 0 ? 1 : 0;
+  channel_ = std::make_unique<proxy::ProxyChannel>(config_, bootstrap, opts);
 }
 
 HostAllToAll::~HostAllToAll() {
@@ -53,6 +56,8 @@ void HostAllToAll::dispatch(const DispatchArgs& args) {
       for (uint32_t p = 0; p < s.worldSize; ++p) slots[p] = channel_->sendSlot(p);
       const uint32_t bound = boundOf(args.boundM, checked.m, "dispatch");
       DispatchSendParams params{&s, &args, checked, bound, slots.data(), config_.dispatchCast};
+      const std::vector<uint8_t> active = channel_->activeRanks();  // elastic ranks: masked slots are not packed
+      params.active = active.data();
       dispatchSendKernel(params);
       routingDigest_ = routingDigestOf(args.indices.data, checked.indexKind, checked.indexStrides[0],
                                        checked.indexStrides[1], config_.expertsPerToken, bound);
@@ -72,7 +77,12 @@ void HostAllToAll::dispatch(const DispatchArgs& args) {
     order_.dispatched(true, false);
   }
   if (args.doRecv) {
-    channel_->waitDispatch();
+    try {
+      channel_->waitDispatch();
+    } catch (const Error&) {
+      afterFailedWait();
+      throw;
+    }
     DispatchRecvParams params{&s,      &channel_->layout(),    &args,
                               checked, channel_->recvBuffer(), channel_->sendSlot(config_.rank)};
     dispatchRecvKernel(params);
@@ -136,7 +146,12 @@ void HostAllToAll::combine(const CombineArgs& args) {
     order_.combined(true, false);
   }
   if (args.doRecv) {
-    channel_->waitCombine();
+    try {
+      channel_->waitCombine();
+    } catch (const Error&) {
+      afterFailedWait();
+      throw;
+    }
     CombineRecvParams params{&s,
                              &channel_->layout(),
                              &args,
@@ -145,9 +160,35 @@ void HostAllToAll::combine(const CombineArgs& args) {
                              yDtype_,
                              channel_->combineSendBuffer(),
                              channel_->combineRecvBuffer()};
+    params.dropped = &droppedTokens_;
     combineRecvKernel(params);
     order_.combined(false, true);
   }
+}
+
+void HostAllToAll::afterFailedWait() {
+  if (!channel_->takeLostRound()) return;
+  order_.reset();
+  refusedSend_ = false;
+}
+
+std::vector<int32_t> HostAllToAll::activeRanks() const {
+  const std::vector<uint8_t> mask = channel_->activeRanks();
+  return std::vector<int32_t>(mask.begin(), mask.end());
+}
+
+void HostAllToAll::setActiveRanks(const std::vector<int32_t>& mask) {
+  channel_->rethrowIfBroken();
+  EPCOMM_CHECK(order_.state() == CallOrder::State::kIdle, kInvalidArgument,
+               "host backend rank " << config_.rank << ": setActiveRanks while the object is '"
+                                    << CallOrder::name(order_.state()) << "' (call it between rounds)");
+  std::vector<uint8_t> m(mask.size());
+  for (size_t r = 0; r < mask.size(); ++r) {
+    EPCOMM_CHECK(mask[r] == 0 || mask[r] == 1, kInvalidArgument,
+                 "setActiveRanks: entry " << r << " is " << mask[r] << " (1 = active, 0 = masked)");
+    m[r] = static_cast<uint8_t>(mask[r]);
+  }
+  channel_->setActiveRanks(m);
 }
 
 void HostAllToAll::synchronize() {

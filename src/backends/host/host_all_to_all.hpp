@@ -27,7 +27,9 @@ using HostStats = proxy::ChannelStats;
 /// from the dispatched ones) sends nothing and leaves the object as it was, so the corrected call goes on; a refused
 /// send half also tells the peers (their waits for this rank end at once with its message, see
 /// ProxyChannel::noticeRefused). An error of the exchange itself (timeout, transfer, a peer that gave up) leaves the
-/// object unusable: every later call rethrows it; destroy the object and create a new one.
+/// object unusable: every later call rethrows it; destroy the object and create a new one. With elastic ranks
+/// (HostOptions::elastic, EPCOMM_ELASTIC=1) a peer lost that way is masked once the others agree: the call throws, the
+/// object goes on with the others from the next dispatch (docs/failures.md, "Elastic ranks").
 class HostAllToAll final : public AllToAll {
  public:
   /// Collective over `bootstrap`.
@@ -40,6 +42,9 @@ class HostAllToAll final : public AllToAll {
   const Config& config() const override { return config_; }
   const char* backendName() const override { return "host"; }
   uint64_t bufferBytes() const override { return channel_->bufferBytes(); }
+  std::vector<int32_t> activeRanks() const override;
+  void setActiveRanks(const std::vector<int32_t>& mask) override;
+  uint64_t droppedTokens() const override { return droppedTokens_; }
 
   /// Fabric operations issued so far, per peer.
   HostStats stats() const { return channel_->stats(); }
@@ -52,6 +57,8 @@ class HostAllToAll final : public AllToAll {
   uint32_t boundOf(const int32_t* boundM, uint32_t m, const char* op) const;
   // Throws kInvalidArgument unless the combine's indices and boundM are those of the last dispatch (digest).
   void checkSameRouting(const CombineArgs& args, const CheckedCombine& checked, uint32_t bound) const;
+  // After a receive half threw: a round lost to a peer (elastic ranks) is over, the next call is a dispatch.
+  void afterFailedWait();
 
   Config config_;
   std::unique_ptr<proxy::ProxyChannel> channel_;
@@ -65,6 +72,8 @@ class HostAllToAll final : public AllToAll {
   /// A send half was refused (peers were told) and not yet followed by one that went through.
   bool refusedSend_ = false;
   std::string refusedMessage_;
+  /// Combine positions left out because their rank was masked (elastic ranks).
+  uint64_t droppedTokens_ = 0;
 };
 
 }  // namespace host

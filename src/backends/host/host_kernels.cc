@@ -128,6 +128,7 @@ void dispatchSendKernel(const DispatchSendParams& p) {
     const uint8_t* castEntry = nullptr;  // the token's first entry, which holds its cast payload and scales
     for (uint32_t o = 0; o < numOwners; ++o) {
       const uint32_t dst = owners[o];
+      if (p.active != nullptr && !p.active[dst]) continue;  // a masked rank: its slot is never sent
       uint8_t* entry = p.sendSlots[dst] + s.headBytes + static_cast<uint64_t>(entryCounts[dst]++) * s.entryBytes;
       if (p.cast != DispatchCast::kNone) {
         // Cast once per token (the scales follow the payload in the entry), copied into its other entries.
@@ -275,8 +276,12 @@ void combineRecvKernel(const CombineRecvParams& p) {
   // group's tokens in (sender, token) order with one counter per expert, starting where each sender's rows begin.
   std::vector<uint64_t> next(E), start(E);
   std::vector<uint64_t> rowOf(static_cast<size_t>(p.boundM) * K, ~0ull);
+  // Elastic ranks: a position whose expert's rank is masked, or whose token's sender is masked, has no row.
+  constexpr uint64_t kDropped = ~0ull;
+  uint64_t dropped = 0;
   for (uint32_t d = 0; d < D; ++d) {
     const uint32_t sender = g * D + d;
+    const bool senderActive = lay.isActive(sender);
     for (uint32_t e = 0; e < E; ++e) {
       start[e] = lay.combineExpertStart(e);
       for (uint32_t s2 = g * D; s2 < sender; ++s2) start[e] += lay.expertCount(s2, e);
@@ -286,6 +291,11 @@ void combineRecvKernel(const CombineRecvParams& p) {
       for (uint32_t k = 0; k < K; ++k) {
         const int64_t e = load(t, k);
         if (e < 0) continue;
+        if (!senderActive || !lay.isActive(expertOwner(static_cast<uint32_t>(e), L))) {
+          rowOf[static_cast<size_t>(t) * K + k] = kDropped;
+          ++dropped;
+          continue;
+        }
         uint32_t j = 0;
         while (j < k && load(t, j) != e) ++j;
         rowOf[static_cast<size_t>(t) * K + k] = j < k ? rowOf[static_cast<size_t>(t) * K + j] : next[e]++;
@@ -316,7 +326,7 @@ void combineRecvKernel(const CombineRecvParams& p) {
       uint32_t numTerms = 0;
       for (uint32_t k = 0; k < K; ++k) {
         const int64_t e = load(t, k);
-        if (e < 0) continue;
+        if (e < 0 || rowOf[t * K + k] == kDropped) continue;
         termW[numTerms] = w[t * c.weightStrides[0] + k * c.weightStrides[1]];
         termRow[numTerms++] = ownerBase[expertOwner(static_cast<uint32_t>(e), L)] + rowOf[t * K + k] * rowBytes;
       }
@@ -348,6 +358,7 @@ void combineRecvKernel(const CombineRecvParams& p) {
       withOut(AnyIo{p.yDtype});
       break;
   }
+  if (p.dropped != nullptr) *p.dropped += dropped;
 }
 
 }  // namespace host

@@ -25,6 +25,8 @@ struct DispatchSendParams {
   /// sendSlots[p]: send slot of rank p (sizes->sendSlotBytes).
   uint8_t* const* sendSlots;
   DispatchCast cast = DispatchCast::kNone;
+  /// Elastic ranks: W entries, 0 = masked (its entries are not packed; the counts still include them); null = all.
+  const uint8_t* active = nullptr;
 };
 void dispatchSendKernel(const DispatchSendParams& p);
 
@@ -54,7 +56,8 @@ void combineSendKernel(const CombineSendParams& p);
 /// Combine-recv: outTokens[t] = (accumulate ? outTokens[t] : 0) + sum_k w[t,k] * y(t,k) in fp32, k ascending,
 /// rounded once to the output dtype (the reference's order, so the result is bitwise equal), for t < boundM.
 /// y(t,k) is found in owner p's rows from this rank's own indices; they must match what the DP
-/// group dispatched (checked against the routing counts: kInvalidArgument otherwise).
+/// group dispatched (checked against the routing counts: kInvalidArgument otherwise). A position whose expert's rank
+/// or whose token's sending rank the layout masks (elastic ranks) is left out and counted in *dropped.
 struct CombineRecvParams {
   const proxy::ProtocolSizes* sizes;
   const proxy::RoundLayout* layout;
@@ -64,6 +67,7 @@ struct CombineRecvParams {
   DType yDtype;
   const uint8_t* combineSendBuffer;  ///< Rows this rank sent its own group (read in place).
   const uint8_t* combineRecvBuffer;  ///< Rows from the other owners.
+  uint64_t* dropped = nullptr;       ///< If given, incremented by the positions left out (masked ranks).
 };
 void combineRecvKernel(const CombineRecvParams& p);
 
