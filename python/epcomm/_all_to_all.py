@@ -290,6 +290,33 @@ class AllToAll:
         """Bytes of communication buffers the backend allocated."""
         return self._live().buffer_bytes
 
+    # -- elastic ranks (docs/failures.md, "Elastic ranks") --------------------------------------------------------
+    @property
+    def active_ranks(self) -> List[int]:
+        """The active-ranks mask: world_size entries, 1 = the rank takes part in rounds, 0 = masked. A masked rank
+        is skipped in every send and wait; tokens routed to its experts are dropped (left out of combine, the other
+        weights not renormalised) and counted in dropped_tokens. On the host backend with EPCOMM_ELASTIC=1 a peer
+        that dies (or leaves) is masked once the others agree: the call that lost it raises, the next rounds run
+        without it. Backends without elastic ranks raise code "unavailable"."""
+        return list(self._live().active_ranks)
+
+    def set_active_ranks(self, mask: Any) -> None:
+        """Masks ranks on purpose: collective over the active ranks (the ones it masks too, which then leave: later
+        calls on them raise), each passing the same mask (a sequence of world_size 0 / 1), between rounds. Blocks
+        until the ranks that stay agree. A masked rank never becomes active again."""
+        try:
+            values = [operator.index(v) for v in mask]
+        except TypeError:
+            raise invalid_argument(f"set_active_ranks: mask must be a sequence of 0 / 1 integers, got {mask!r}") \
+                from None
+        self._live().set_active_ranks(values)
+
+    @property
+    def dropped_tokens(self) -> int:
+        """(token, k) positions of this rank's combines left out because their expert's rank (or the token's
+        sending rank) was masked, since creation."""
+        return self._live().dropped_tokens
+
     def _live(self) -> "_C.AllToAll":
         if self._impl is None or self._impl.closed:
             raise invalid_argument("this AllToAll was destroyed")

@@ -158,6 +158,13 @@ class PyAllToAll {
     a2a.synchronize();
   }
 
+  /// Elastic ranks (AllToAll::setActiveRanks): collective, blocks until the ranks agree.
+  void setActiveRanks(const std::vector<int32_t>& mask) {
+    AllToAll& a2a = get();
+    nb::gil_scoped_release release;
+    a2a.setActiveRanks(mask);
+  }
+
   /// Destroys the backend object (collective on some backends); later calls raise. Idempotent.
   void close() {
     if (impl_ != nullptr) {
@@ -188,7 +195,8 @@ struct PyBootstrap {
 // Reads the reference's per-rank arguments from a dict: keys as in the Python dispatch() signature.
 nb::object item(const nb::dict& d, const char* key) { return d.contains(key) ? nb::object(d[key]) : nb::none(); }
 
-void referenceDispatch(const Config& config, const std::vector<nb::dict>& ranks) {
+void referenceDispatch(const Config& config, const std::vector<nb::dict>& ranks,
+                       const std::vector<int32_t>& activeRanks) {
   EPCOMM_CHECK(
       ranks.size() == config.worldSize, kInvalidArgument,
       "reference_dispatch needs one dict per rank: got " << ranks.size() << ", worldSize = " << config.worldSize);
@@ -206,10 +214,15 @@ void referenceDispatch(const Config& config, const std::vector<nb::dict>& ranks)
     a.boundM = boundMPointer(item(d, "bound_m"), a.x, holder);
   }
   nb::gil_scoped_release release;
-  reference::dispatch(config, args);
+  if (activeRanks.empty()) {
+    reference::dispatch(config, args);
+  } else {
+    reference::dispatch(config, args, activeRanks);
+  }
 }
 
-void referenceCombine(const Config& config, const std::vector<nb::dict>& ranks) {
+void referenceCombine(const Config& config, const std::vector<nb::dict>& ranks,
+                      const std::vector<int32_t>& activeRanks) {
   EPCOMM_CHECK(
       ranks.size() == config.worldSize, kInvalidArgument,
       "reference_combine needs one dict per rank: got " << ranks.size() << ", worldSize = " << config.worldSize);
@@ -226,7 +239,11 @@ void referenceCombine(const Config& config, const std::vector<nb::dict>& ranks) 
     a.accumulate = d.contains("accumulate") && nb::cast<bool>(d["accumulate"]);
   }
   nb::gil_scoped_release release;
-  reference::combine(config, args);
+  if (activeRanks.empty()) {
+    reference::combine(config, args);
+  } else {
+    reference::combine(config, args, activeRanks);
+  }
 }
 
 Layout layoutFromName(const std::string& name) {
@@ -456,7 +473,15 @@ NB_MODULE(_C, m) {
       .def_prop_ro("closed", &PyAllToAll::closed)
       .def_prop_ro("config", [](PyAllToAll& a) { return a.get().config(); })
       .def_prop_ro("backend_name", [](PyAllToAll& a) { return std::string(a.get().backendName()); })
-      .def_prop_ro("buffer_bytes", [](PyAllToAll& a) { return a.get().bufferBytes(); });
+      .def_prop_ro("buffer_bytes", [](PyAllToAll& a) { return a.get().bufferBytes(); })
+      .def_prop_ro(
+          "active_ranks", [](PyAllToAll& a) { return a.get().activeRanks(); },
+          "Elastic ranks: world_size entries, 1 = active, 0 = masked (kUnavailable on backends without them).")
+      .def("set_active_ranks", &PyAllToAll::setActiveRanks, "mask"_a,
+           "Masks ranks (collective over the active ranks, between rounds). Releases the GIL.")
+      .def_prop_ro(
+          "dropped_tokens", [](PyAllToAll& a) { return a.get().droppedTokens(); },
+          "Combine positions left out because their rank was masked, since creation.");
 
   m.def(
       "create_all_to_all",
@@ -473,10 +498,11 @@ NB_MODULE(_C, m) {
       "config"_a, "bootstrap"_a, "backend"_a = "auto",
       "Creates an AllToAll on `backend` (collective over the bootstrap).");
 
-  m.def("reference_dispatch", &referenceDispatch, "config"_a, "ranks"_a,
+  m.def("reference_dispatch", &referenceDispatch, "config"_a, "ranks"_a, "active_ranks"_a = std::vector<int32_t>(),
         "CPU reference dispatch for every rank: ranks[r] is a dict with rank r's host arrays under the names of "
         "AllToAll.dispatch (out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices, "
-        "bound_m). Writes the outputs.");
+        "bound_m). Writes the outputs. active_ranks (elastic ranks, world_size entries of 0 / 1): positions routed "
+        "to a masked rank, or sent by one, are dropped.");
   m.def(
       "cast_fp8_blocks",
       [](nb::handle x, nb::handle out, nb::handle scales, int blockSize, bool roundScale) {
@@ -490,7 +516,8 @@ NB_MODULE(_C, m) {
       "x"_a, "out"_a, "scales"_a, "block_size"_a = 128, "round_scale"_a = false,
       "The per-block fp8 e4m3 cast on the CPU (host arrays): out = fp8(x * 448 / amax), scales = amax / 448 per "
       "block of block_size elements of a row (amax >= 1e-4). See epcomm/reference.hpp.");
-  m.def("reference_combine", &referenceCombine, "config"_a, "ranks"_a,
+  m.def("reference_combine", &referenceCombine, "config"_a, "ranks"_a, "active_ranks"_a = std::vector<int32_t>(),
         "CPU reference combine for every rank: ranks[r] holds out_tokens, indices, weights, expert_y, bound_m and "
-        "accumulate (bool). Writes out_tokens.");
+        "accumulate (bool). Writes out_tokens. active_ranks: as reference_dispatch's (dropped terms, weights not "
+        "renormalised).");
 }
