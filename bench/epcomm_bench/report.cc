@@ -66,6 +66,7 @@ void Report::json(const std::string& line) {
 
 void Report::header(const std::vector<std::string>& notes) {
   const char* blocks = std::getenv("EPCOMM_NVLINK_BLOCKS");
+  const char* localSize = std::getenv("EPCOMM_PROXY_LOCAL_SIZE");  // proxy: same-node peers over NVLink or the fabric
   std::printf(
       "# epcomm-bench  backend=%s world=%d dp=%d iters=%d warmup=%d barrier=%s blocks=%s max-tokens=%s layout=%s "
       "rev=%s machine=%s\n",
@@ -73,6 +74,10 @@ void Report::header(const std::vector<std::string>& notes) {
       blocks != nullptr && *blocks != '\0' ? blocks : "auto",
       o_.maxTokens > 0 ? std::to_string(o_.maxTokens).c_str() : "T", layoutName(o_.layout), rev_.c_str(),
       machine_.c_str());
+  if (o_.backend == "proxy") {
+    std::printf("# proxy: EPCOMM_PROXY_LOCAL_SIZE=%s (1: every peer over the fabric; unset: from the host names)\n",
+                localSize != nullptr ? localSize : "unset");
+  }
   std::printf(
       "# times in us (median, max over ranks); GB/s = cross-rank payload bytes per rank per direction / time\n");
   for (const std::string& n : notes) std::printf("# %s\n", n.c_str());
@@ -143,12 +148,14 @@ void Report::row(const RowInfo& r, const Measurement& m) {
       << ",\"dispatch_host_us_by_rank\":" << jlist(m.dHostRanks);
   }
   const char* blocks = std::getenv("EPCOMM_NVLINK_BLOCKS");
+  const char* localSize = std::getenv("EPCOMM_PROXY_LOCAL_SIZE");  // proxy: same-node peers over NVLink or the fabric
   f << ",\"dispatch_bytes_per_rank\":" << static_cast<uint64_t>(r.dispatchBytes)
     << ",\"pplx_bytes_rank0\":" << r.pplxBytes << ",\"combine_bytes_rank0\":" << r.combineBytes
     << ",\"buffer_bytes\":" << r.bufferBytes << ",\"shared_gpu\":" << (sharedGpu_ ? "true" : "false")
     << ",\"barrier\":\"" << barrier_ << "\",\"nvlink_blocks_env\":\"" << (blocks != nullptr ? blocks : "")
-    << "\",\"iters\":" << o_.iters << ",\"warmup\":" << o_.warmup << ",\"rev\":\"" << rev_ << "\",\"machine\":\""
-    << machine_ << "\",\"date\":\"" << nowUtc() << "\"}\n";
+    << "\",\"proxy_local_size_env\":\"" << (localSize != nullptr ? localSize : "") << "\",\"iters\":" << o_.iters
+    << ",\"warmup\":" << o_.warmup << ",\"rev\":\"" << rev_ << "\",\"machine\":\"" << machine_ << "\",\"date\":\""
+    << nowUtc() << "\"}\n";
   json(f.str());
   if (!gpu_) rows_.push_back(f.str());
 }
