@@ -530,7 +530,7 @@ void ProxyChannel::waitLocalCompletions(const char* what, uint32_t round) {
 }
 
 void ProxyChannel::checkTransfers(const std::string& context) {
-  if (!perPeer() || !elastic_) {
+  if (!perPeer()) {
     try {
       engine_->checkErrors();
     } catch (const Error& e) {
@@ -540,25 +540,26 @@ void ProxyChannel::checkTransfers(const std::string& context) {
     }
     return;
   }
-  // Elastic: the engine keeps the first failed write for good, whichever peer it went to; the completions say which
-  // peer, and a failed write to a peer that is masked already is no news.
+  // Per peer: the engine keeps the first failed write for good, whichever peer it went to; the completions say which
+  // peer, and a failed write to a peer that is masked already (a rank that left, a dead one) is no news.
   for (uint32_t p : peerRanks_) {
     const std::string error = peerError(p);
     if (error.empty()) continue;
     const ErrorCode code = error.find("timed out") != std::string::npos ? ErrorCode::kTimeout : ErrorCode::kFabric;
-    throw PeerLoss{
-        code, context + ": a write to rank " + std::to_string(p) + " failed: " + error, {p}, kNoLostStep, {}};
+    const std::string message = context + ": a write to rank " + std::to_string(p) + " failed: " + error;
+    if (elastic_) throw PeerLoss{code, message, {p}, kNoLostStep, {}};
+    detail::throwError(code, message, __FILE__, __LINE__);
   }
 }
 
 bool ProxyChannel::driveFor(const std::function<bool()>& done, int64_t budgetMs) {
   if (driver_ != nullptr && !engineTainted_) {
-    if (!elastic_) return driver_->driveUntil(done, budgetMs);
+    if (!perPeer()) return driver_->driveUntil(done, budgetMs);
     try {
       return driver_->driveUntil(done, budgetMs);
     } catch (const Error&) {
-      // A write to a peer that is gone failed, and the engine keeps that error for good: from now on the engine's
-      // progress thread moves the data and this thread only polls (the failed write is reported per peer).
+      // A write failed (to a peer that is gone, or masked), and the engine keeps that error for good: from now on the
+      // engine's progress thread moves the data and this thread only polls (failed writes are reported per peer).
       engineTainted_ = true;
     }
   }
