@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "core/layout.hpp"
+#include "core/validate.hpp"
 #include "epcomm/all_to_all.hpp"
 #include "epcomm/error.hpp"
 #include "epcomm/reference.hpp"
@@ -24,20 +25,6 @@ struct MaskedIndices {
   std::vector<std::vector<int64_t>> storage;
   std::vector<TensorView> views;
 };
-
-int indexKindOf(DType dtype) {
-  switch (dtype) {
-    case DType::kI32:
-      return 0;
-    case DType::kU32:
-      return 1;
-    case DType::kI64:
-      return 2;
-    default:
-      break;
-  }
-  EPCOMM_THROW(kInvalidArgument, "indices must be int32, uint32 or int64, got " << dtypeName(dtype));
-}
 
 MaskedIndices maskIndices(const Config& config, const std::vector<const TensorView*>& indices,
                           const std::vector<int32_t>& activeRanks) {
