@@ -37,7 +37,8 @@ class LibfabricEngine : public EngineBase {
   std::unique_ptr<MemoryRegion> registerMemory(void* data, size_t bytes, MemoryKind kind, int device) override;
   void send(PeerId peer, const void* data, size_t bytes, Completion done) override;
   /// Small writes and immediates to one NIC take an inject fast path (no allocation, no completion entry), except
-  /// with options.deliveryComplete when a Completion is requested (inject cannot report delivery).
+  /// with options.deliveryComplete when a Completion is requested (inject cannot report delivery), and never over
+  /// tcp;ofi_rxm (see the constructor).
   void write(PeerId peer, const MemoryRegion& src, uint64_t srcOffset, const MemoryDesc& dst, uint64_t dstOffset,
              uint64_t length, bool withImm, uint32_t imm, Completion done) override;
   void immediate(PeerId peer, uint32_t imm, Completion done) override;
@@ -86,6 +87,7 @@ class LibfabricEngine : public EngineBase {
   bool ordered_ = false;
   bool hmem_ = false;
   size_t injectSize_ = 0;
+  bool rmaInject_ = true;  // writes and immediates may take fi_inject_write(data) (see the constructor's NOTE)
   uint64_t maxMsg_ = 1ull << 30;
   std::atomic<uint64_t> nextKey_{1};
   std::vector<std::unique_ptr<FiNic>> nics_;

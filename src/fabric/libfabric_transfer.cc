@@ -164,7 +164,7 @@ void LibfabricEngine::postPlan(const Target& target, const MemoryRegion* src, st
         b->remaining = static_cast<int>(pieces.size());
         b->trailer = make(0, 0, 0);
         b->trailer->imm = true;
-        b->trailer->inject = injectSize_ > 0;
+        b->trailer->inject = rmaInject_ && injectSize_ > 0;
         for (Piece* p : pieces) {
           p->delivery = true;
           p->batch = b;
@@ -177,7 +177,7 @@ void LibfabricEngine::postPlan(const Target& target, const MemoryRegion* src, st
     const bool wantsCompletion = op->done.counter != nullptr || static_cast<bool>(op->done.callback);
     for (Piece* p : pieces) {
       if (wantsCompletion && options_.deliveryComplete) p->delivery = true;
-      if (!p->delivery && !p->batch && p->len <= injectSize_) p->inject = true;
+      if (rmaInject_ && !p->delivery && !p->batch && p->len <= injectSize_) p->inject = true;
     }
     now[n] = std::move(pieces);
   }
@@ -230,7 +230,7 @@ void LibfabricEngine::write(PeerId peer, const MemoryRegion& src, uint64_t srcOf
   // fi_inject_writedata under the NIC lock. Anything unusual falls through to the general path, which validates.
   // With deliveryComplete a requested completion means delivery (see postPlan), which inject cannot report.
   const bool fireAndForget = !options_.deliveryComplete || (done.counter == nullptr && !done.callback);
-  if (fireAndForget && length <= injectSize_ && (numNics_ == 1 || !options_.shardByBytes) &&
+  if (rmaInject_ && fireAndForget && length <= injectSize_ && (numNics_ == 1 || !options_.shardByBytes) &&
       dst.numNics == static_cast<uint32_t>(numNics_) && dstOffset <= dst.size && length <= dst.size - dstOffset &&
       srcOffset <= src.size() && length <= src.size() - srcOffset) {
     const void* buf = length > 0 ? static_cast<const uint8_t*>(src.data()) + srcOffset : nullptr;
@@ -262,7 +262,7 @@ void LibfabricEngine::write(PeerId peer, const MemoryRegion& src, uint64_t srcOf
     p->imm = withImm;
     const bool wantsCompletion = op->done.counter != nullptr || static_cast<bool>(op->done.callback);
     p->delivery = wantsCompletion && options_.deliveryComplete;
-    p->inject = !p->delivery && length <= injectSize_;
+    p->inject = rmaInject_ && !p->delivery && length <= injectSize_;
     Finished finished;
     {
       std::lock_guard<SpinThenBlockMutex> lock(nics_[n]->mu);
@@ -276,7 +276,7 @@ void LibfabricEngine::write(PeerId peer, const MemoryRegion& src, uint64_t srcOf
 
 void LibfabricEngine::immediate(PeerId peer, uint32_t imm, Completion done) {
   const bool fireAndForget = !options_.deliveryComplete || (done.counter == nullptr && !done.callback);
-  if (fireAndForget && (numNics_ == 1 || !options_.shardByBytes) &&
+  if (rmaInject_ && fireAndForget && (numNics_ == 1 || !options_.shardByBytes) &&
       tryInject(peer, nullptr, 0, nullptr, 0, true, imm, done)) {
     return;
   }
