@@ -203,6 +203,10 @@ void ProxyChannel::checkRecords(const char* what, uint32_t round) {
   for (uint32_t s : peerRanks_) {
     const PeerRecord* r = recordOf(s, epoch_ + 1);
     if (r == nullptr) continue;
+    const bool maskChange = r->code == 0 && r->lostStep == kNoLostStep;
+    // A caller's mask change (setActiveRanks) comes between rounds: the rank that sent it had completed this rank's
+    // combine, so every owner's rows are on their way; the combine completes and this rank joins at its own call.
+    if (maskChange && std::strcmp(what, "combine") == 0) continue;
     std::vector<uint32_t> lost;
     for (uint32_t q = 0; q < world_; ++q) {
       if (q != rank_ && active_[q] && !r->view[q]) lost.push_back(q);
@@ -213,8 +217,14 @@ void ProxyChannel::checkRecords(const char* what, uint32_t round) {
                                ? static_cast<ErrorCode>(r->code)
                                : ErrorCode::kPeerFailure;
     std::ostringstream oss;
-    oss << prefix(what, round) << ": rank " << s
-        << (r->code == 0 ? " changed the active ranks: " : " lost a round and proposes new active ranks: ") << r->text;
+    oss << prefix(what, round) << ": rank " << s;
+    if (maskChange) {
+      oss << " changed the active ranks (setActiveRanks) while this rank began another round; call setActiveRanks "
+             "on every rank between rounds: "
+          << r->text;
+    } else {
+      oss << " lost a round and proposes new active ranks: " << r->text;
+    }
     throw PeerLoss{code, oss.str(), lost, r->lostStep, r->text};
   }
 }

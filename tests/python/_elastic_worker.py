@@ -61,7 +61,7 @@ def _round(a2a, ref_cfg, rank: int, rnd: int, mode: str) -> int:
 
 def run_rank(rank: int, address: str, mode: str, results) -> None:
     # Read by epcomm on first use: set before the first epcomm call in this process.
-    os.environ.update(EPCOMM_ELASTIC="1", EPCOMM_TIMEOUT_MS="1500", EPCOMM_FABRIC_PROVIDER="tcp")
+    os.environ.update(EPCOMM_ELASTIC="1", EPCOMM_TIMEOUT_MS="3000", EPCOMM_FABRIC_PROVIDER="tcp")
     try:
         results.put(("ok", rank, _run(rank, address, mode)))
     except BaseException:  # noqa: BLE001 -- report everything to the parent
