@@ -31,13 +31,8 @@
 #include "support/scoped_env.hpp"
 
 namespace epcomm {
+namespace gputest {
 namespace {
-
-using gputest::CallMode;
-using gputest::DeviceBuffer;
-using gputest::DeviceTensors;
-using gputest::Round;
-using gputest::Scenario;
 
 constexpr int64_t kTimeoutMs = 2000;
 constexpr int64_t kMiB = 1 << 20;
@@ -51,7 +46,7 @@ const char* phaseName(Phase p) {
 // The dead world's object: every rank sends to every other one (no rank without tokens), tens of MiB of device
 // buffers per rank on nvlink, so that their release shows in cudaMemGetInfo.
 Scenario faultScenario(const std::string& backend) {
-  Scenario s = gputest::scenarioFor(backend, 3);
+  Scenario s = scenarioFor(backend, 3);
   s.experts = 12;
   s.topK = 4;
   s.maxTokens = 512;
@@ -61,7 +56,7 @@ Scenario faultScenario(const std::string& backend) {
 }
 
 Scenario recoveryScenario(const std::string& backend) {
-  Scenario s = gputest::scenarioFor(backend, 2);
+  Scenario s = scenarioFor(backend, 2);
   s.experts = 8;
   s.topK = 3;
   s.maxTokens = 64;
@@ -70,20 +65,10 @@ Scenario recoveryScenario(const std::string& backend) {
   return s;
 }
 
-// One eager round of `a2a` with `s`'s inputs `seed`, checked. "" or what failed.
-std::string checkedRound(AllToAll& a2a, const Scenario& s, uint32_t rank, DeviceTensors& dev, cudaStream_t stream,
-                         DeviceBuffer& scratch, uint64_t seed) {
-  Round r(s, seed);
-  r.upload(rank, dev);
-  gputest::launchRound(a2a, dev, CallMode::kFused, rank, stream, scratch);
-  gputest::finishRound(a2a, stream);
-  return r.check(rank, dev);
-}
-
 // Rank 0 reads the device's free memory while no rank of `b` allocates (a barrier on each side).
 int64_t measureFree(Bootstrap& b) {
   b.barrier();
-  const int64_t f = b.rank() == 0 ? gputest::settledGpuFreeBytes() : 0;
+  const int64_t f = b.rank() == 0 ? settledGpuFreeBytes() : 0;
   b.barrier();
   return f;
 }
@@ -93,16 +78,16 @@ class GpuFaults : public ::testing::TestWithParam<std::tuple<std::string, Phase>
 TEST_P(GpuFaults, SurvivorsNameTheDeadRankAndRebuildWithoutIt) {
   const std::string backend = std::get<0>(GetParam());
   const Phase phase = std::get<1>(GetParam());
-  const std::string why = gputest::whyNotRunnable(backend);
+  const std::string why = whyNotRunnable(backend);
   if (!why.empty()) GTEST_SKIP() << why;
   // The proxy backend over tcp, as the host backend's fault test (a dead peer's connection fails there).
   if (backend == "proxy" && !test::providerAvailable("tcp")) GTEST_SKIP() << "libfabric provider 'tcp' is not usable";
   const std::string recoveryBackend = backend == "nvshmem" ? "nvlink" : backend;
-  if (recoveryBackend != backend && !gputest::whyNotRunnable(recoveryBackend).empty()) {
-    GTEST_SKIP() << "the survivors go on with " << recoveryBackend << ": " << gputest::whyNotRunnable(recoveryBackend);
+  if (recoveryBackend != backend && !whyNotRunnable(recoveryBackend).empty()) {
+    GTEST_SKIP() << "the survivors go on with " << recoveryBackend << ": " << whyNotRunnable(recoveryBackend);
   }
   test::ScopedEnv timeout({{"EPCOMM_TIMEOUT_MS", "2000"}});  // read once per process, in the children
-  gputest::BackendEnv env(backend, "tcp");
+  BackendEnv env(backend, "tcp");
   const std::string survivorsAddress = "127.0.0.1:" + std::to_string(test::freeTcpPort());
   test::RunOptions o;
   o.deadlineMs = 240000;
@@ -110,22 +95,22 @@ TEST_P(GpuFaults, SurvivorsNameTheDeadRankAndRebuildWithoutIt) {
       3,
       [&](int r, Bootstrap& bootstrap) {
         const uint32_t rank = static_cast<uint32_t>(r);
-        gputest::useRankDevice(r);
-        gputest::Stream stream;
+        useRankDevice(r);
+        Stream stream;
         DeviceBuffer scratch(1 << 16);
         const Scenario s3 = faultScenario(backend), s2 = recoveryScenario(recoveryBackend);
         DeviceTensors d3, d2;  // every tensor of the test, before anything is measured
-        gputest::allocateDevice(s3, rank, d3);
-        if (rank < 2) gputest::allocateDevice(s2, rank, d2);
+        allocateDevice(s3, rank, d3);
+        if (rank < 2) allocateDevice(s2, rank, d2);
         {
           // First use costs (modules, the runtime's pools, NVSHMEM's heap) are paid here, once.
-          auto warm = createAllToAll(gputest::scenarioConfig(s3, rank), bootstrap, backend);
-          ASSERT_EQ(checkedRound(*warm, s3, rank, d3, stream.get(), scratch, 1), "");
+          auto warm = createAllToAll(scenarioConfig(s3, rank), bootstrap, backend);
+          ASSERT_EQ(checkedRound(*warm, s3, rank, d3, CallMode::kFused, stream.get(), scratch, 1), "");
         }
         const int64_t beforeObject = measureFree(bootstrap);
-        std::unique_ptr<AllToAll> a2a = createAllToAll(gputest::scenarioConfig(s3, rank), bootstrap, backend);
+        std::unique_ptr<AllToAll> a2a = createAllToAll(scenarioConfig(s3, rank), bootstrap, backend);
         const int64_t withObject = measureFree(bootstrap);
-        ASSERT_EQ(checkedRound(*a2a, s3, rank, d3, stream.get(), scratch, 2), "");
+        ASSERT_EQ(checkedRound(*a2a, s3, rank, d3, CallMode::kFused, stream.get(), scratch, 2), "");
 
         // The round rank 2 does not finish.
         Round interrupted(s3, 3);
@@ -139,7 +124,7 @@ TEST_P(GpuFaults, SurvivorsNameTheDeadRankAndRebuildWithoutIt) {
           start = std::chrono::steady_clock::now();
         } else if (phase == Phase::kCombine) {
           a2a->dispatch(d3.dispatch);
-          gputest::finishRound(*a2a, stream.get());
+          finishRound(*a2a, stream.get());
           if (rank != 2) a2a->combine(d3.combine);  // ... for rank 2's weights and expert outputs
           bootstrap.barrier();
           if (rank == 2) raise(SIGKILL);
@@ -155,7 +140,7 @@ TEST_P(GpuFaults, SurvivorsNameTheDeadRankAndRebuildWithoutIt) {
         }
         try {
           if (phase == Phase::kDispatch || phase == Phase::kDispatchInFlight) a2a->combine(d3.combine);
-          gputest::finishRound(*a2a, stream.get());
+          finishRound(*a2a, stream.get());
           ADD_FAILURE() << "the round completed without rank 2";
         } catch (const Error& e) {
           const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -186,7 +171,7 @@ TEST_P(GpuFaults, SurvivorsNameTheDeadRankAndRebuildWithoutIt) {
         const int64_t afterTeardown = measureFree(*fresh);
         if (backend == "nvshmem") {
           try {
-            auto again = createAllToAll(gputest::scenarioConfig(s2, rank), *fresh, "nvshmem");
+            auto again = createAllToAll(scenarioConfig(s2, rank), *fresh, "nvshmem");
             ADD_FAILURE() << "a second NVSHMEM world in the process was accepted";
           } catch (const Error& e) {
             EXPECT_EQ(e.code(), ErrorCode::kUnavailable) << e.what();
@@ -196,9 +181,10 @@ TEST_P(GpuFaults, SurvivorsNameTheDeadRankAndRebuildWithoutIt) {
         int64_t afterRecovery[2] = {0, 0};
         for (int cycle = 0; cycle < 2; ++cycle) {
           {
-            auto next = createAllToAll(gputest::scenarioConfig(s2, rank), *fresh, recoveryBackend);
+            auto next = createAllToAll(scenarioConfig(s2, rank), *fresh, recoveryBackend);
             for (int round = 0; round < (cycle == 0 ? 5 : 2); ++round) {
-              const std::string err = checkedRound(*next, s2, rank, d2, stream.get(), scratch, 10 * cycle + round);
+              const std::string err =
+                  checkedRound(*next, s2, rank, d2, CallMode::kFused, stream.get(), scratch, 10 * cycle + round);
               ASSERT_TRUE(err.empty()) << recoveryBackend << " among the survivors, object " << cycle << " round "
                                        << round << ":\n"
                                        << err;
@@ -240,4 +226,5 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) { return std::get<0>(info.param) + std::string(phaseName(std::get<1>(info.param))); });
 
 }  // namespace
+}  // namespace gputest
 }  // namespace epcomm

@@ -13,15 +13,10 @@
 #include <utility>
 #include <vector>
 
+#include "core/cuda_check.hpp"
 #include "core/dtype_convert.hpp"
 #include "core/layout.hpp"
 #include "epcomm/error.hpp"
-
-#define GT_CUDA(expr)                                                                    \
-  do {                                                                                   \
-    cudaError_t e_ = (expr);                                                             \
-    if (e_ != cudaSuccess) EPCOMM_THROW(kCuda, #expr << ": " << cudaGetErrorString(e_)); \
-  } while (0)
 
 namespace epcomm {
 namespace gputest {
@@ -46,7 +41,17 @@ int gpuCount() {
   return cached;
 }
 
-DeviceBuffer::DeviceBuffer(size_t bytes) : bytes_(bytes) { GT_CUDA(cudaMalloc(&p_, bytes < 256 ? 256 : bytes)); }
+int useRankDevice(int rank) {
+  int count = 0;
+  EPCOMM_CHECK_CUDA(cudaGetDeviceCount(&count));
+  EPCOMM_CHECK(count > 0, kCuda, "no CUDA device");
+  EPCOMM_CHECK_CUDA(cudaSetDevice(rank % count));
+  return rank % count;
+}
+
+DeviceBuffer::DeviceBuffer(size_t bytes) : bytes_(bytes) {
+  EPCOMM_CHECK_CUDA(cudaMalloc(&p_, bytes < 256 ? 256 : bytes));
+}
 
 DeviceBuffer::~DeviceBuffer() {
   if (p_ != nullptr) cudaFree(p_);
@@ -63,11 +68,11 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
 }
 
 void DeviceBuffer::upload(const void* src, size_t n) {
-  if (n > 0) GT_CUDA(cudaMemcpy(p_, src, n, cudaMemcpyHostToDevice));
+  if (n > 0) EPCOMM_CHECK_CUDA(cudaMemcpy(p_, src, n, cudaMemcpyHostToDevice));
 }
 
 void DeviceBuffer::download(void* dst, size_t n) const {
-  if (n > 0) GT_CUDA(cudaMemcpy(dst, p_, n, cudaMemcpyDeviceToHost));
+  if (n > 0) EPCOMM_CHECK_CUDA(cudaMemcpy(dst, p_, n, cudaMemcpyDeviceToHost));
 }
 
 Config scenarioConfig(const Scenario& s, uint32_t rank) {
@@ -318,7 +323,7 @@ Round::~Round() { delete d_; }
 void allocateDevice(const Scenario& s, uint32_t rank, DeviceTensors& dev) {
   const Shapes sh = shapesOf(s);
   int device = 0;
-  GT_CUDA(cudaGetDevice(&device));
+  EPCOMM_CHECK_CUDA(cudaGetDevice(&device));
   const MemoryKind kc = MemoryKind::kCuda;
   const int64_t T = s.maxTokens;
   dev.x = DeviceBuffer(T * s.hidden * dtypeSize(s.xType));
@@ -341,7 +346,7 @@ namespace {
 // Fills the argument views for this round's m (the tensors' first dimension is m; the pointers stay fixed).
 void bindArgs(const Scenario& s, const Shapes& sh, int64_t m, DeviceTensors& dev) {
   int device = 0;
-  GT_CUDA(cudaGetDevice(&device));
+  EPCOMM_CHECK_CUDA(cudaGetDevice(&device));
   const MemoryKind kc = MemoryKind::kCuda;
   DispatchArgs& a = dev.dispatch;
   a = DispatchArgs{};
@@ -397,16 +402,17 @@ void Round::upload(uint32_t rank, DeviceTensors& dev) const {
   dev.boundM.upload(&d.bound[rank], 4);
   std::vector<uint8_t> poison(d.sh.L * 4, 0xA5);
   dev.outCounts.upload(poison.data(), poison.size());
-  GT_CUDA(cudaMemset(dev.outX.get(), 0xA5, dev.outX.bytes()));
+  EPCOMM_CHECK_CUDA(cudaMemset(dev.outX.get(), 0xA5, dev.outX.bytes()));
   dev.outXScale.upload(d.poisonScale.data(), d.poisonScale.size());
   // expertY: NaN (0xFF bytes, in every float type) in the rows that hold no token, the reference's values in the
   // others.
-  GT_CUDA(cudaMemset(dev.expertY.get(), 0xFF, dev.expertY.bytes()));
+  EPCOMM_CHECK_CUDA(cudaMemset(dev.expertY.get(), 0xFF, dev.expertY.bytes()));
   const size_t yRow = static_cast<size_t>(d.sh.H) * dtypeSize(d.s.yType);
   for (const auto& [first, count] : d.used[rank]) {
     if (count > 0) {
-      GT_CUDA(cudaMemcpy(static_cast<uint8_t*>(dev.expertY.get()) + first * yRow,
-                         d.expertY[rank].data<uint8_t>() + first * yRow, count * yRow, cudaMemcpyHostToDevice));
+      EPCOMM_CHECK_CUDA(cudaMemcpy(static_cast<uint8_t*>(dev.expertY.get()) + first * yRow,
+                                   d.expertY[rank].data<uint8_t>() + first * yRow, count * yRow,
+                                   cudaMemcpyHostToDevice));
     }
   }
   dev.outTokens.upload(d.outInit[rank].data<void>(), d.outInit[rank].bytes());
@@ -533,14 +539,14 @@ std::string runScenario(const Scenario& s, uint32_t rank, Bootstrap& bootstrap) 
 
 std::string runScenario(const Scenario& s, uint32_t rank, Bootstrap& bootstrap, const std::string& backend) {
   int count = 0;
-  GT_CUDA(cudaGetDeviceCount(&count));
-  GT_CUDA(cudaSetDevice(static_cast<int>(rank) % count));
+  EPCOMM_CHECK_CUDA(cudaGetDeviceCount(&count));
+  EPCOMM_CHECK_CUDA(cudaSetDevice(static_cast<int>(rank) % count));
   const Config config = scenarioConfig(s, rank);
   std::unique_ptr<AllToAll> a2a = createAllToAll(config, bootstrap, backend);
   DeviceTensors dev;
   allocateDevice(s, rank, dev);
   cudaStream_t stream = nullptr;
-  GT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  EPCOMM_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   DeviceBuffer scratch(1 << 20);
   std::vector<uint8_t> first;
   std::string result;
@@ -552,17 +558,13 @@ std::string runScenario(const Scenario& s, uint32_t rank, Bootstrap& bootstrap, 
     dev.combine.stream = stream;
     if (s.split || (s.splitOddRanks && rank % 2 == 1)) {
       // Between the halves the caller's work runs on the same stream.
-      DispatchArgs send = dev.dispatch, recv = dev.dispatch;
-      send.doRecv = false;
-      recv.doSend = false;
+      const auto [send, recv] = halves(dev.dispatch);
       a2a->dispatch(send);
-      GT_CUDA(cudaMemsetAsync(scratch.get(), round, scratch.bytes(), stream));
+      EPCOMM_CHECK_CUDA(cudaMemsetAsync(scratch.get(), round, scratch.bytes(), stream));
       a2a->dispatch(recv);
-      CombineArgs csend = dev.combine, crecv = dev.combine;
-      csend.doRecv = false;
-      crecv.doSend = false;
+      const auto [csend, crecv] = halves(dev.combine);
       a2a->combine(csend);
-      GT_CUDA(cudaMemsetAsync(scratch.get(), round + 1, scratch.bytes(), stream));
+      EPCOMM_CHECK_CUDA(cudaMemsetAsync(scratch.get(), round + 1, scratch.bytes(), stream));
       a2a->combine(crecv);
     } else {
       a2a->dispatch(dev.dispatch);

@@ -1,9 +1,11 @@
-// Helpers of the GPU tests: GPU detection without initialising CUDA in the parent (children are forked), device
-// buffers, and one "round" of dispatch + combine on every rank checked against the CPU reference.
+// Helpers of the GPU tests: GPU detection without initialising CUDA in the parent (children are forked), the GPU of a
+// rank, device buffers, a call's send and receive halves, and one "round" of dispatch + combine on every rank checked
+// against the CPU reference.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "epcomm/all_to_all.hpp"
@@ -15,6 +17,9 @@ namespace gputest {
 /// CUDA devices visible, counted in a forked child so the calling process never initialises CUDA (a process that
 /// forks after cuInit cannot use CUDA in the child). Cached.
 int gpuCount();
+
+/// Makes GPU `rank % devices` current and returns it. Throws Error(kCuda).
+int useRankDevice(int rank);
 
 /// Owned device memory (cudaMalloc / cudaFree) on the current device.
 class DeviceBuffer {
@@ -57,6 +62,15 @@ struct Scenario {
   /// of the fp32 reference.
   bool oneRounding = false;
 };
+
+/// `args` (DispatchArgs or CombineArgs) as its send half (doRecv off) and its receive half (doSend off).
+template <typename Args>
+std::pair<Args, Args> halves(const Args& args) {
+  Args send = args, recv = args;
+  send.doRecv = false;
+  recv.doSend = false;
+  return {send, recv};
+}
 
 /// The Config of a scenario for `rank`.
 Config scenarioConfig(const Scenario& s, uint32_t rank);

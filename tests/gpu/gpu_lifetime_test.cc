@@ -19,21 +19,15 @@
 #include "support/multiprocess.hpp"
 
 namespace epcomm {
+namespace gputest {
 namespace {
-
-using gputest::CallMode;
-using gputest::CapturedRound;
-using gputest::DeviceBuffer;
-using gputest::DeviceTensors;
-using gputest::Round;
-using gputest::Scenario;
 
 constexpr int kObjects = 6;
 
 // Object k's scenario. Not ragged: m is part of a captured call, and equal arguments every round are what an engine
 // passes (the token count varies through the device boundM).
 Scenario variant(const std::string& backend, uint32_t world, int k) {
-  Scenario s = gputest::scenarioFor(backend, world);
+  Scenario s = scenarioFor(backend, world);
   s.ragged = false;
   s.deviceBound = true;
   s.seed = 100 + k;
@@ -91,11 +85,7 @@ struct Live {
 
 // One eager round of `o` with inputs `seed`, checked. "" or what failed.
 std::string eagerRound(Live& o, uint32_t rank, cudaStream_t stream, DeviceBuffer& scratch, uint64_t seed) {
-  Round r(o.s, seed);
-  r.upload(rank, o.dev);
-  gputest::launchRound(*o.a2a, o.dev, o.mode, rank, stream, scratch);
-  gputest::finishRound(*o.a2a, stream);
-  return r.check(rank, o.dev);
+  return checkedRound(*o.a2a, o.s, rank, o.dev, o.mode, stream, scratch, seed);
 }
 
 class GpuLifetime : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
@@ -103,17 +93,17 @@ class GpuLifetime : public ::testing::TestWithParam<std::tuple<std::string, int>
 TEST_P(GpuLifetime, ObjectsCreatedCapturedReplayedAndDestroyedInOneProcess) {
   const std::string backend = std::get<0>(GetParam());
   const int world = std::get<1>(GetParam());
-  const std::string why = gputest::whyNotRunnable(backend);
+  const std::string why = whyNotRunnable(backend);
   if (!why.empty()) GTEST_SKIP() << why;
-  gputest::BackendEnv env(backend);
+  BackendEnv env(backend);
   test::RunOptions o;
   o.deadlineMs = 300000;
   test::RunResult result = test::runRanks(
       world,
       [&](int r, Bootstrap& bootstrap) {
         const uint32_t rank = static_cast<uint32_t>(r);
-        gputest::useRankDevice(r);
-        gputest::Stream stream;
+        useRankDevice(r);
+        Stream stream;
         DeviceBuffer scratch(1 << 16);
         std::unique_ptr<Live> previous;              // alive while the next object is made and used
         std::unique_ptr<CapturedRound> orphanGraph;  // outlived its object; destroyed after the next one exists
@@ -121,8 +111,8 @@ TEST_P(GpuLifetime, ObjectsCreatedCapturedReplayedAndDestroyedInOneProcess) {
           auto cur = std::make_unique<Live>();
           cur->s = variant(backend, static_cast<uint32_t>(world), k);
           cur->mode = modeOf(k);
-          cur->a2a = createAllToAll(gputest::scenarioConfig(cur->s, rank), bootstrap, backend);
-          gputest::allocateDevice(cur->s, rank, cur->dev);
+          cur->a2a = createAllToAll(scenarioConfig(cur->s, rank), bootstrap, backend);
+          allocateDevice(cur->s, rank, cur->dev);
           orphanGraph.reset();
           const std::string what = backend + " object " + std::to_string(k);
           for (int round = 0; round < 3; ++round) {
@@ -141,7 +131,7 @@ TEST_P(GpuLifetime, ObjectsCreatedCapturedReplayedAndDestroyedInOneProcess) {
             Round rd(cur->s, 1000 * k + 100 + replay);
             rd.upload(rank, cur->dev);
             graph->replay(stream.get());
-            gputest::finishRound(*cur->a2a, stream.get());
+            finishRound(*cur->a2a, stream.get());
             const std::string err = rd.check(rank, cur->dev);
             ASSERT_TRUE(err.empty()) << what << " graph replay " << replay << ":\n" << err;
           }
@@ -167,4 +157,5 @@ INSTANTIATE_TEST_SUITE_P(Backends, GpuLifetime,
                          });
 
 }  // namespace
+}  // namespace gputest
 }  // namespace epcomm

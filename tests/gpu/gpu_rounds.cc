@@ -1,35 +1,17 @@
 #include "gpu_rounds.hpp"
 
-#include <dirent.h>
-#include <malloc.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <cstdlib>
 #include <thread>
 
+#include "core/cuda_check.hpp"
 #include "epcomm/error.hpp"
 #include "support/fabric_probe.hpp"
-
-#define GR_CUDA(expr)                                                                    \
-  do {                                                                                   \
-    cudaError_t e_ = (expr);                                                             \
-    if (e_ != cudaSuccess) EPCOMM_THROW(kCuda, #expr << ": " << cudaGetErrorString(e_)); \
-  } while (0)
 
 namespace epcomm {
 namespace gputest {
 
 namespace {
-
-int countEntries(const char* dir) {
-  int n = 0;
-  if (DIR* d = opendir(dir)) {
-    while (dirent* e = readdir(d)) n += e->d_name[0] != '.' ? 1 : 0;
-    closedir(d);
-  }
-  return n;
-}
 
 bool splits(CallMode mode, uint32_t rank) { return mode == CallMode::kSplit || (mode == CallMode::kMixed && rank % 2); }
 
@@ -46,15 +28,7 @@ const char* callModeName(CallMode mode) {
   }
 }
 
-int useRankDevice(int rank) {
-  int count = 0;
-  GR_CUDA(cudaGetDeviceCount(&count));
-  EPCOMM_CHECK(count > 0, kCuda, "no CUDA device");
-  GR_CUDA(cudaSetDevice(rank % count));
-  return rank % count;
-}
-
-Stream::Stream() { GR_CUDA(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
+Stream::Stream() { EPCOMM_CHECK_CUDA(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
 
 Stream::~Stream() {
   if (s_ != nullptr) cudaStreamDestroy(s_);
@@ -70,23 +44,28 @@ void launchRound(AllToAll& a2a, DeviceTensors& dev, CallMode mode, uint32_t rank
     return;
   }
   // Between the halves the caller's own work runs on the same stream.
-  DispatchArgs send = dev.dispatch, recv = dev.dispatch;
-  send.doRecv = false;
-  recv.doSend = false;
+  const auto [send, recv] = halves(dev.dispatch);
   a2a.dispatch(send);
-  GR_CUDA(cudaMemsetAsync(scratch.get(), 0x11, scratch.bytes(), stream));
+  EPCOMM_CHECK_CUDA(cudaMemsetAsync(scratch.get(), 0x11, scratch.bytes(), stream));
   a2a.dispatch(recv);
-  CombineArgs csend = dev.combine, crecv = dev.combine;
-  csend.doRecv = false;
-  crecv.doSend = false;
+  const auto [csend, crecv] = halves(dev.combine);
   a2a.combine(csend);
-  GR_CUDA(cudaMemsetAsync(scratch.get(), 0x22, scratch.bytes(), stream));
+  EPCOMM_CHECK_CUDA(cudaMemsetAsync(scratch.get(), 0x22, scratch.bytes(), stream));
   a2a.combine(crecv);
 }
 
 void finishRound(AllToAll& a2a, cudaStream_t stream) {
-  GR_CUDA(cudaStreamSynchronize(stream));
+  EPCOMM_CHECK_CUDA(cudaStreamSynchronize(stream));
   a2a.synchronize();
+}
+
+std::string checkedRound(AllToAll& a2a, const Scenario& s, uint32_t rank, DeviceTensors& dev, CallMode mode,
+                         cudaStream_t stream, DeviceBuffer& scratch, uint64_t seed) {
+  Round r(s, seed);
+  r.upload(rank, dev);
+  launchRound(a2a, dev, mode, rank, stream, scratch);
+  finishRound(a2a, stream);
+  return r.check(rank, dev);
 }
 
 int64_t tokensOf(const DeviceTensors& dev) { return dev.dispatch.x.shape[0]; }
@@ -109,7 +88,7 @@ bool makeEmptyViewsBare(DeviceTensors& dev) {
 
 CapturedRound::CapturedRound(AllToAll& a2a, DeviceTensors& dev, CallMode mode, uint32_t rank, cudaStream_t stream,
                              DeviceBuffer& scratch) {
-  GR_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  EPCOMM_CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   try {
     launchRound(a2a, dev, mode, rank, stream, scratch);
   } catch (...) {
@@ -118,8 +97,8 @@ CapturedRound::CapturedRound(AllToAll& a2a, DeviceTensors& dev, CallMode mode, u
     cudaGetLastError();
     throw;
   }
-  GR_CUDA(cudaStreamEndCapture(stream, &graph_));
-  GR_CUDA(cudaGraphInstantiate(&exec_, graph_, 0));
+  EPCOMM_CHECK_CUDA(cudaStreamEndCapture(stream, &graph_));
+  EPCOMM_CHECK_CUDA(cudaGraphInstantiate(&exec_, graph_, 0));
 }
 
 CapturedRound::~CapturedRound() {
@@ -127,15 +106,15 @@ CapturedRound::~CapturedRound() {
   if (graph_ != nullptr) cudaGraphDestroy(graph_);
 }
 
-void CapturedRound::replay(cudaStream_t stream) { GR_CUDA(cudaGraphLaunch(exec_, stream)); }
+void CapturedRound::replay(cudaStream_t stream) { EPCOMM_CHECK_CUDA(cudaGraphLaunch(exec_, stream)); }
 
 Usage usage() {
   Usage u;
-  u.fds = countEntries("/proc/self/fd");
-  u.threads = countEntries("/proc/self/task");
-  u.heapBytes = static_cast<int64_t>(mallinfo2().uordblks);
+  u.fds = test::openFds();
+  u.threads = test::threadCount();
+  u.heapBytes = test::heapInUse();
   size_t freeB = 0, totalB = 0;
-  GR_CUDA(cudaMemGetInfo(&freeB, &totalB));
+  EPCOMM_CHECK_CUDA(cudaMemGetInfo(&freeB, &totalB));
   u.gpuFreeBytes = static_cast<int64_t>(freeB);
   return u;
 }
@@ -213,11 +192,6 @@ Scenario scenarioFor(const std::string& backend, uint32_t world) {
   s.experts = 16 % world == 0 ? 16 : 4 * world;
   s.oneRounding = backend == "nvlink";
   return s;
-}
-
-uint64_t envNumber(const char* name, uint64_t fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? std::strtoull(v, nullptr, 10) : fallback;
 }
 
 }  // namespace gputest

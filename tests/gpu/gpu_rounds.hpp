@@ -1,7 +1,7 @@
 // Helpers of the GPU tests that keep one set of processes for many objects and rounds (lifetime, churn, soak, faults):
-// a round's calls in each mode, a round captured into a CUDA graph and replayed, bare 0-row views for an empty rank,
-// the process's resources, and which GPU backends can run here with the environment each needs. Builds on
-// gpu_harness.hpp (scenarios, device tensors, the reference check).
+// a round's calls in each mode (and one such round checked), a round captured into a CUDA graph and replayed, bare
+// 0-row views for an empty rank, the process's resources, and which GPU backends can run here with the environment
+// each needs. Builds on gpu_harness.hpp (scenarios, device tensors, the reference check).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,6 +13,7 @@
 
 #include "epcomm/all_to_all.hpp"
 #include "gpu_harness.hpp"
+#include "support/process_usage.hpp"
 
 namespace epcomm {
 namespace gputest {
@@ -21,9 +22,6 @@ namespace gputest {
 /// of the scratch buffer) and its receive half (kSplit); kSplit on the odd ranks and kFused on the others (kMixed).
 enum class CallMode { kFused, kSplit, kMixed };
 const char* callModeName(CallMode mode);
-
-/// Makes GPU `rank % devices` current and returns it. Throws Error(kCuda).
-int useRankDevice(int rank);
 
 /// A non-blocking CUDA stream, destroyed with the owner.
 class Stream {
@@ -45,6 +43,11 @@ void launchRound(AllToAll& a2a, DeviceTensors& dev, CallMode mode, uint32_t rank
 
 /// Waits for `stream`, then for the object (which rethrows a recorded error). Throws Error.
 void finishRound(AllToAll& a2a, cudaStream_t stream);
+
+/// One round of `s` with inputs `seed` through `dev` (Round::upload, launchRound in `mode`, finishRound), checked
+/// against the reference: "" or what differed. Throws Error when a call fails.
+std::string checkedRound(AllToAll& a2a, const Scenario& s, uint32_t rank, DeviceTensors& dev, CallMode mode,
+                         cudaStream_t stream, DeviceBuffer& scratch, uint64_t seed);
 
 /// After Round::upload: when this rank has no tokens this round (m = 0), replaces the 0-row views of its calls by bare
 /// ones, as numpy and torch hand them over (null data pointer, zero strides). Returns whether it did.
@@ -72,13 +75,10 @@ class CapturedRound {
   cudaGraphExec_t exec_ = nullptr;
 };
 
-/// What this process holds: open file descriptors, threads, malloc's bytes in use (mallinfo2; one arena needs
-/// mallopt(M_ARENA_MAX, 1) before any thread starts), and the device's free memory (cudaMemGetInfo: device-wide, so
-/// ranks sharing a GPU read it at a point where none of them allocates).
-struct Usage {
-  int fds = 0;
-  int threads = 0;
-  int64_t heapBytes = 0;
+/// What this process holds (test::ProcessUsage: open file descriptors, threads, malloc's bytes in use), and the
+/// device's free memory (cudaMemGetInfo: device-wide, so ranks sharing a GPU read it at a point where none of them
+/// allocates).
+struct Usage : test::ProcessUsage {
   int64_t gpuFreeBytes = 0;
 };
 Usage usage();
@@ -114,9 +114,6 @@ class BackendEnv {
 /// A scenario the backend's own tests would build: nvlink checks the combine against one final rounding of an fp32
 /// sum (as tests/gpu/nvlink_test.cc does), the others against the dtypes' tolerance.
 Scenario scenarioFor(const std::string& backend, uint32_t world);
-
-/// The numeric value of environment variable `name`, or `fallback` when unset or empty.
-uint64_t envNumber(const char* name, uint64_t fallback);
 
 }  // namespace gputest
 }  // namespace epcomm

@@ -33,16 +33,11 @@
 #include "gpu_harness.hpp"
 #include "gpu_rounds.hpp"
 #include "support/multiprocess.hpp"
+#include "support/scoped_env.hpp"
 
 namespace epcomm {
+namespace gputest {
 namespace {
-
-using gputest::CallMode;
-using gputest::CapturedRound;
-using gputest::DeviceBuffer;
-using gputest::DeviceTensors;
-using gputest::Round;
-using gputest::Scenario;
 
 uint64_t splitmix(uint64_t& st) {
   uint64_t z = (st += 0x9E3779B97F4A7C15ull);
@@ -81,7 +76,7 @@ struct SoakCase {
 };
 
 Scenario randomScenario(uint64_t& st, const std::string& backend, uint32_t W) {
-  Scenario s = gputest::scenarioFor(backend, W);
+  Scenario s = scenarioFor(backend, W);
   std::vector<uint32_t> dps;
   for (uint32_t d = 1; d <= W; ++d) {
     if (W % d == 0) dps.push_back(d);
@@ -135,7 +130,7 @@ std::string describe(const ObjectPlan& p) {
       << " out=" << dtypeName(s.outType) << " idx=" << dtypeName(s.indexType)
       << (s.layout == Layout::kPacked ? " packed" : " batched") << " pad=" << s.padding << (s.masked ? " masked" : "")
       << (s.ownExperts ? " own" : "") << (s.ragged ? " ragged" : "") << (s.deviceBound ? " bound" : "")
-      << (s.accumulate ? " acc" : "") << " " << gputest::callModeName(p.mode) << (p.graph ? " graph" : "")
+      << (s.accumulate ? " acc" : "") << " " << callModeName(p.mode) << (p.graph ? " graph" : "")
       << (p.bare ? " bare" : "") << " seed=" << s.seed;
   return oss.str();
 }
@@ -163,8 +158,8 @@ std::string runCase(const SoakCase& c, const std::string& backend, uint32_t rank
   try {
     for (size_t i = 0; i < objs.size(); ++i) {
       objs[i].plan = c.objects[i];
-      objs[i].a2a = createAllToAll(gputest::scenarioConfig(objs[i].plan.s, rank), bootstrap, backend);
-      gputest::allocateDevice(objs[i].plan.s, rank, objs[i].dev);
+      objs[i].a2a = createAllToAll(scenarioConfig(objs[i].plan.s, rank), bootstrap, backend);
+      allocateDevice(objs[i].plan.s, rank, objs[i].dev);
     }
     for (uint32_t round = 0; round < c.rounds; ++round) {
       std::vector<std::unique_ptr<Round>> rounds;
@@ -172,20 +167,20 @@ std::string runCase(const SoakCase& c, const std::string& backend, uint32_t rank
         LiveObject& o = objs[i];
         rounds.push_back(std::make_unique<Round>(o.plan.s, o.plan.s.seed * 1000 + round));
         rounds.back()->upload(rank, o.dev);
-        if (gputest::tokensOf(o.dev) == 0) ++n.emptyRankRounds;
-        if (o.plan.bare && gputest::makeEmptyViewsBare(o.dev)) ++n.bareRankRounds;
+        if (tokensOf(o.dev) == 0) ++n.emptyRankRounds;
+        if (o.plan.bare && makeEmptyViewsBare(o.dev)) ++n.bareRankRounds;
         if (o.plan.graph) {
           if (!o.graph) {
             o.graph = std::make_unique<CapturedRound>(*o.a2a, o.dev, o.plan.mode, rank, streams[i], scratch);
           }
           o.graph->replay(streams[i]);
         } else {
-          gputest::launchRound(*o.a2a, o.dev, o.plan.mode, rank, streams[i], scratch);
+          launchRound(*o.a2a, o.dev, o.plan.mode, rank, streams[i], scratch);
         }
       }
       for (size_t i = 0; i < objs.size(); ++i) {
         LiveObject& o = objs[i];
-        gputest::finishRound(*o.a2a, streams[i]);
+        finishRound(*o.a2a, streams[i]);
         const std::string err = rounds[i]->check(rank, o.dev);
         if (!err.empty() && failed.empty()) {
           failed = "rank " + std::to_string(rank) + " object " + std::to_string(i) + " round " + std::to_string(round) +
@@ -218,8 +213,8 @@ Counts soak(const std::string& backend, uint32_t world, uint64_t rounds, double 
       static_cast<int>(world),
       [&](int r, Bootstrap& bootstrap) {
         const uint32_t rank = static_cast<uint32_t>(r);
-        gputest::useRankDevice(r);
-        gputest::Stream s1, s2;
+        useRankDevice(r);
+        Stream s1, s2;
         cudaStream_t streams[2] = {s1.get(), s2.get()};
         DeviceBuffer scratch(1 << 16);
         uint64_t st = seed * 0x2545F4914F6CDD1Dull + world * 7919 + std::hash<std::string>()(backend);
@@ -274,8 +269,8 @@ Counts soak(const std::string& backend, uint32_t world, uint64_t rounds, double 
 TEST(GpuSoak, RandomRoundsAgainstTheReference) {
   std::vector<std::string> backends;
   std::string skipped;
-  for (const std::string& b : listFromEnv("GPU_SOAK_BACKENDS", gputest::gpuBackendsBuilt())) {
-    const std::string why = gputest::whyNotRunnable(b);
+  for (const std::string& b : listFromEnv("GPU_SOAK_BACKENDS", gpuBackendsBuilt())) {
+    const std::string why = whyNotRunnable(b);
     if (why.empty()) {
       backends.push_back(b);
     } else {
@@ -289,10 +284,10 @@ TEST(GpuSoak, RandomRoundsAgainstTheReference) {
   }
   ASSERT_FALSE(worlds.empty());
   const bool roundsGiven = std::getenv("GPU_SOAK_ROUNDS") != nullptr;
-  const uint64_t rounds = gputest::envNumber("GPU_SOAK_ROUNDS", 240);
-  const double seconds = static_cast<double>(gputest::envNumber("GPU_SOAK_SECONDS", 300));
-  const uint64_t seed = gputest::envNumber("GPU_SOAK_SEED", 1);
-  const uint32_t pairsMaxWorld = static_cast<uint32_t>(gputest::envNumber("GPU_SOAK_PAIRS_MAX_WORLD", 4));
+  const uint64_t rounds = test::envNumber("GPU_SOAK_ROUNDS", 240);
+  const double seconds = static_cast<double>(test::envNumber("GPU_SOAK_SECONDS", 300));
+  const uint64_t seed = test::envNumber("GPU_SOAK_SEED", 1);
+  const uint32_t pairsMaxWorld = static_cast<uint32_t>(test::envNumber("GPU_SOAK_PAIRS_MAX_WORLD", 4));
   std::printf("gpu soak: backends");
   for (const std::string& b : backends) std::printf(" %s", b.c_str());
   std::printf(", worlds");
@@ -300,7 +295,7 @@ TEST(GpuSoak, RandomRoundsAgainstTheReference) {
   std::printf(", %llu rounds and %.0f s per backend, seed %llu%s\n", static_cast<unsigned long long>(rounds), seconds,
               static_cast<unsigned long long>(seed), skipped.empty() ? "" : (", skipped:" + skipped).c_str());
   for (const std::string& backend : backends) {
-    gputest::BackendEnv env(backend);
+    BackendEnv env(backend);
     Counts total;
     const auto start = std::chrono::steady_clock::now();
     for (size_t wi = 0; wi < worlds.size(); ++wi) {
@@ -339,4 +334,5 @@ TEST(GpuSoak, RandomRoundsAgainstTheReference) {
 }
 
 }  // namespace
+}  // namespace gputest
 }  // namespace epcomm

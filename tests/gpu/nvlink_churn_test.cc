@@ -18,16 +18,11 @@
 #include "gpu_harness.hpp"
 #include "gpu_rounds.hpp"
 #include "support/multiprocess.hpp"
+#include "support/scoped_env.hpp"
 
 namespace epcomm {
+namespace gputest {
 namespace {
-
-using gputest::CallMode;
-using gputest::DeviceBuffer;
-using gputest::DeviceTensors;
-using gputest::Round;
-using gputest::Scenario;
-using gputest::Usage;
 
 struct Object {
   std::unique_ptr<AllToAll> a2a;
@@ -35,11 +30,11 @@ struct Object {
 };
 
 TEST(NvlinkChurn, ObjectsComeAndGoTwoInFlight) {
-  const std::string why = gputest::whyNotRunnable("nvlink");
+  const std::string why = whyNotRunnable("nvlink");
   if (!why.empty()) GTEST_SKIP() << why;
-  const uint32_t n = static_cast<uint32_t>(gputest::envNumber("GPU_CHURN_OBJECTS", 40));
+  const uint32_t n = static_cast<uint32_t>(test::envNumber("GPU_CHURN_OBJECTS", 40));
   ASSERT_GE(n, 12u) << "GPU_CHURN_OBJECTS must be at least 12 (the first ten are the baseline)";
-  Scenario sc = gputest::scenarioFor("nvlink", 2);
+  Scenario sc = scenarioFor("nvlink", 2);
   sc.experts = 8;
   sc.topK = 3;
   sc.maxTokens = 8;
@@ -56,31 +51,27 @@ TEST(NvlinkChurn, ObjectsComeAndGoTwoInFlight) {
         // mallinfo2's in-use count would miss.
         mallopt(M_ARENA_MAX, 1);
         const uint32_t rank = static_cast<uint32_t>(r);
-        gputest::useRankDevice(r);
-        gputest::Stream stream;
+        useRankDevice(r);
+        Stream stream;
         DeviceBuffer scratch(1 << 16);
         // Each object's tensors come and go with it, like its buffers: a leak of either shows.
         std::unique_ptr<Object> older;
         auto round = [&](Object& x, uint64_t seed) {
-          Round rd(sc, seed);
-          rd.upload(rank, x.dev);
-          gputest::launchRound(*x.a2a, x.dev, CallMode::kFused, rank, stream.get(), scratch);
-          gputest::finishRound(*x.a2a, stream.get());
-          return rd.check(rank, x.dev);
+          return checkedRound(*x.a2a, sc, rank, x.dev, CallMode::kFused, stream.get(), scratch, seed);
         };
         // No object alive, every rank past its teardown (the barrier), and nobody allocating until the second one.
         auto quiescent = [&] {
           older.reset();
           bootstrap.barrier();
-          const Usage u = gputest::usage();
+          const Usage u = usage();
           bootstrap.barrier();
           return u;
         };
         Usage early, mid;
         for (uint32_t i = 0; i < n; ++i) {
           auto newer = std::make_unique<Object>();
-          newer->a2a = createAllToAll(gputest::scenarioConfig(sc, rank), bootstrap, "nvlink");
-          gputest::allocateDevice(sc, rank, newer->dev);
+          newer->a2a = createAllToAll(scenarioConfig(sc, rank), bootstrap, "nvlink");
+          allocateDevice(sc, rank, newer->dev);
           // Both in flight: the older one's round runs after the newer one was created.
           if (older) {
             const std::string err = round(*older, 2 * i);
@@ -93,14 +84,9 @@ TEST(NvlinkChurn, ObjectsComeAndGoTwoInFlight) {
           if (i == n / 2) mid = quiescent();
         }
         const Usage late = quiescent();
-        EXPECT_EQ(late.fds, early.fds) << "open file descriptors after 10 objects vs after " << n;
-        EXPECT_EQ(late.threads, early.threads) << "threads after 10 objects vs after " << n;
+        test::expectNoGrowth(early, mid, late, n);
         EXPECT_EQ(late.gpuFreeBytes, early.gpuFreeBytes)
             << "free GPU memory after 10 objects vs after " << n << " (both ranks' objects, tensors and mappings)";
-        const int64_t second = static_cast<int64_t>(n - 1 - n / 2);
-        EXPECT_LT(late.heapBytes - mid.heapBytes, 1024 * second)
-            << "heap in use grew from " << mid.heapBytes << " B (object " << n / 2 << ") to " << late.heapBytes
-            << " B (object " << n - 1 << ")";
         if (rank == 0) {
           std::printf(
               "nvlink churn: %u objects, fds %d -> %d, threads %d -> %d, heap in use %lld -> %lld -> %lld B, GPU free "
@@ -118,4 +104,5 @@ TEST(NvlinkChurn, ObjectsComeAndGoTwoInFlight) {
 }
 
 }  // namespace
+}  // namespace gputest
 }  // namespace epcomm

@@ -8,7 +8,6 @@
 
 #include <chrono>
 #include <cstdlib>
-#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -16,6 +15,7 @@
 
 #include "backends/backends.hpp"
 #include "epcomm/error.hpp"
+#include "gpu_cases.hpp"
 #include "gpu_harness.hpp"
 #include "host/fp8_cast_cases.hpp"
 #include "support/multiprocess.hpp"
@@ -25,8 +25,6 @@ namespace epcomm {
 namespace {
 
 using gputest::DeviceBuffer;
-using gputest::DeviceTensors;
-using gputest::Round;
 using gputest::Scenario;
 using test::ScopedEnv;
 
@@ -51,22 +49,10 @@ void runAll(int world, const std::vector<Scenario>& list) {
   if (world == 1 && std::getenv("NVLINK_TEST_INPROCESS") != nullptr) {
     // For compute-sanitizer: no fork, one rank in this process.
     std::unique_ptr<Bootstrap> self = createSelfBootstrap();
-    for (size_t i = 0; i < list.size(); ++i) {
-      std::string err = gputest::runScenario(list[i], 0, *self);
-      ASSERT_TRUE(err.empty()) << "scenario " << i << ": " << err;
-    }
+    gputest::runScenarios(list, 0, *self, "nvlink");
     return;
   }
-  test::RunResult result = test::runRanks(
-      world,
-      [&](int rank, Bootstrap& bootstrap) {
-        for (size_t i = 0; i < list.size(); ++i) {
-          std::string err = gputest::runScenario(list[i], static_cast<uint32_t>(rank), bootstrap);
-          ASSERT_TRUE(err.empty()) << "scenario " << i << ": " << err;
-        }
-      },
-      options());
-  EXPECT_TRUE(result.allOk()) << result.summary();
+  gputest::runScenariosOnRanks(world, list, "nvlink", options());
 }
 
 // Every nvlink case checks the combine against the exact sum: within one final rounding of an fp32 sum (the partials
@@ -78,19 +64,6 @@ Scenario base(uint32_t world) {
   s.oneRounding = true;
   return s;
 }
-
-// One rank's nvlink object for `s`, its device tensors and one round's inputs uploaded into them (the tests that
-// drive the calls themselves: errors, timeouts, call order). The current CUDA device is chosen by the caller.
-struct LoadedObject {
-  LoadedObject(const Scenario& s, int rank, Bootstrap& bootstrap, uint64_t seed)
-      : a2a(createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "nvlink")), round(s, seed) {
-    gputest::allocateDevice(s, rank, dev);
-    round.upload(rank, dev);
-  }
-  std::unique_ptr<AllToAll> a2a;
-  DeviceTensors dev;
-  Round round;
-};
 
 TEST(NvlinkGpu, W1Basic) {
   REQUIRE_GPUS(1);
@@ -114,20 +87,7 @@ TEST(NvlinkGpu, W1ManyExpertsNeedMoreSharedMemory) {
 
 TEST(NvlinkGpu, W1MaskedRaggedBoundPackedPadded) {
   REQUIRE_GPUS(1);
-  Scenario s = base(1);
-  s.masked = true;
-  s.deviceBound = true;
-  s.layout = Layout::kPacked;
-  s.padding = 8;
-  Scenario b = s;
-  b.layout = Layout::kBatched;
-  b.padding = 4;
-  b.indexType = DType::kU32;
-  Scenario c = s;
-  c.indexType = DType::kI64;
-  c.split = true;
-  c.accumulate = true;
-  runAll(1, {s, b, c});
+  runAll(1, gputest::maskedBoundLayouts(base(1)));
 }
 
 TEST(NvlinkGpu, W2Basic) {
@@ -263,36 +223,15 @@ TEST(NvlinkGpu, W2NothingCrossesBetweenRanks) {
 
 TEST(NvlinkGpu, W2DpGroupD2) {
   REQUIRE_GPUS(2);
-  Scenario s = base(2);
-  s.dp = 2;
-  s.masked = true;
-  s.deviceBound = true;
-  Scenario p = s;
-  p.layout = Layout::kPacked;
-  p.padding = 4;
-  p.split = true;
-  runAll(2, {s, p});
+  runAll(2, gputest::dpGroupsOfTwo(base(2)));
 }
 
-// SPEC's decode shape on two ranks: 256 experts, top-8, 128 tokens of 7168 fp8 bytes and 56 fp32 scales.
-Scenario decodeShape() {
-  Scenario s = base(2);
-  s.experts = 256;
-  s.topK = 8;
-  s.hidden = 7168;
-  s.maxTokens = 128;
-  s.xType = DType::kFp8E4M3;
-  s.scales = true;
-  s.rounds = 2;
-  return s;
-}
-
-// 128 and 64 tokens (the fused push kernel).
+// SPEC's decode shape on two ranks, 128 and 64 tokens (the fused push kernel).
 TEST(NvlinkGpu, W2DecodeShape) {
   REQUIRE_GPUS(2);
-  Scenario s = decodeShape();
+  Scenario s = gputest::decodeShape(base(2));
   s.ragged = false;
-  Scenario lean = decodeShape();
+  Scenario lean = gputest::decodeShape(base(2));
   lean.maxTokens = 64;
   lean.masked = true;
   lean.seed = 64;
@@ -336,38 +275,14 @@ TEST(NvlinkGpu, W2RoutingChunks) {
 }
 
 // Every payload dtype with every (expertY, outTokens) pair, on one and on two GPUs.
-std::vector<Scenario> dtypeMatrix(uint32_t world) {
-  std::vector<Scenario> list;
-  const DType payloads[] = {DType::kFp8E4M3, DType::kBf16, DType::kF16, DType::kF32};
-  const DType combine[] = {DType::kBf16, DType::kF16, DType::kF32};
-  uint64_t seed = 100;
-  for (DType p : payloads) {
-    for (DType y : combine) {
-      for (DType o : combine) {
-        Scenario s = base(world);
-        s.xType = p;
-        s.scales = p == DType::kFp8E4M3;
-        s.yType = y;
-        s.outType = o;
-        s.hidden = 128;
-        s.rounds = 1;
-        s.masked = true;
-        s.seed = seed++;
-        list.push_back(s);
-      }
-    }
-  }
-  return list;
-}
-
 TEST(NvlinkGpu, W1DtypeMatrix) {
   REQUIRE_GPUS(1);
-  runAll(1, dtypeMatrix(1));
+  runAll(1, gputest::dtypeMatrix(base(1)));
 }
 
 TEST(NvlinkGpu, W2DtypeMatrix) {
   REQUIRE_GPUS(2);
-  runAll(2, dtypeMatrix(2));
+  runAll(2, gputest::dtypeMatrix(base(2)));
 }
 
 // Two objects (micro-batches) in flight at once on two streams, each with its own buffers and flags.
@@ -376,39 +291,7 @@ TEST(NvlinkGpu, W2TwoObjectsInFlight) {
   test::RunResult result = test::runRanks(
       2,
       [](int rank, Bootstrap& bootstrap) {
-        int count = 0;
-        ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
-        ASSERT_EQ(cudaSetDevice(rank % count), cudaSuccess);
-        Scenario sa = base(2), sb = base(2);
-        sb.layout = Layout::kPacked;
-        sb.hidden = 512;
-        sb.masked = true;
-        auto a = createAllToAll(gputest::scenarioConfig(sa, rank), bootstrap, "nvlink");
-        auto b = createAllToAll(gputest::scenarioConfig(sb, rank), bootstrap, "nvlink");
-        DeviceTensors da, db;
-        gputest::allocateDevice(sa, rank, da);
-        gputest::allocateDevice(sb, rank, db);
-        cudaStream_t s1, s2;
-        ASSERT_EQ(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking), cudaSuccess);
-        ASSERT_EQ(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking), cudaSuccess);
-        for (int round = 0; round < 3; ++round) {
-          Round ra(sa, 500 + round), rb(sb, 600 + round);
-          ra.upload(rank, da);
-          rb.upload(rank, db);
-          da.dispatch.stream = da.combine.stream = s1;
-          db.dispatch.stream = db.combine.stream = s2;
-          a->dispatch(da.dispatch);
-          b->dispatch(db.dispatch);
-          a->combine(da.combine);
-          b->combine(db.combine);
-          a->synchronize();
-          b->synchronize();
-          std::string ea = ra.check(rank, da), eb = rb.check(rank, db);
-          ASSERT_TRUE(ea.empty()) << "object A round " << round << ": " << ea;
-          ASSERT_TRUE(eb.empty()) << "object B round " << round << ": " << eb;
-        }
-        cudaStreamDestroy(s1);
-        cudaStreamDestroy(s2);
+        gputest::twoObjectsInFlight(base(2), gputest::secondObject(base(2)), rank, bootstrap, "nvlink");
       },
       options());
   EXPECT_TRUE(result.allOk()) << result.summary();
@@ -417,47 +300,7 @@ TEST(NvlinkGpu, W2TwoObjectsInFlight) {
 // Capture dispatch + combine once; replay 100 times with new inputs and a new *boundM each time.
 void graphReplay(int world) {
   test::RunResult result = test::runRanks(
-      world,
-      [world](int rank, Bootstrap& bootstrap) {
-        int count = 0;
-        ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
-        ASSERT_EQ(cudaSetDevice(rank % count), cudaSuccess);
-        Scenario s = base(world);
-        s.hidden = 128;
-        s.maxTokens = 16;
-        s.ragged = false;  // m is part of the captured call; the token count varies through *boundM
-        s.deviceBound = true;
-        s.masked = true;
-        auto a2a = createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "nvlink");
-        DeviceTensors dev;
-        gputest::allocateDevice(s, rank, dev);
-        cudaStream_t stream;
-        ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-        {
-          Round r0(s, 9000);
-          r0.upload(rank, dev);
-        }
-        dev.dispatch.stream = dev.combine.stream = stream;
-        cudaGraph_t graph;
-        cudaGraphExec_t exec;
-        ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-        a2a->dispatch(dev.dispatch);
-        a2a->combine(dev.combine);
-        ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-        ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-        for (int replay = 0; replay < 100; ++replay) {
-          Round r(s, 10000 + replay);
-          r.upload(rank, dev);
-          ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-          ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-          a2a->synchronize();
-          std::string err = r.check(rank, dev);
-          ASSERT_TRUE(err.empty()) << "replay " << replay << ": " << err;
-        }
-        cudaGraphExecDestroy(exec);
-        cudaGraphDestroy(graph);
-        cudaStreamDestroy(stream);
-      },
+      world, [world](int rank, Bootstrap& bootstrap) { gputest::graphReplay(base(world), rank, bootstrap, "nvlink"); },
       options());
   EXPECT_TRUE(result.allOk()) << result.summary();
 }
@@ -479,43 +322,9 @@ void peerNeverEnters(const std::string& phase) {
   test::RunResult result = test::runRanks(
       2,
       [&](int rank, Bootstrap& bootstrap) {
-        int count = 0;
-        ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
-        ASSERT_EQ(cudaSetDevice(rank % count), cudaSuccess);
-        LoadedObject o(base(2), rank, bootstrap, 77);
-        auto& a2a = o.a2a;
-        DeviceTensors& dev = o.dev;
-        const bool skipDispatch = phase == "dispatch";
-        if (!skipDispatch) {
-          a2a->dispatch(dev.dispatch);
-          a2a->synchronize();
-        }
-        if (rank == 0) {
-          const auto start = std::chrono::steady_clock::now();
-          if (skipDispatch) {
-            a2a->dispatch(dev.dispatch);
-          } else {
-            a2a->combine(dev.combine);
-          }
-          bool threw = false;
-          try {
-            a2a->synchronize();
-          } catch (const Error& e) {
-            threw = true;
-            EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
-            EXPECT_NE(e.message().find("peer rank 1"), std::string::npos) << e.what();
-            EXPECT_NE(e.message().find(phase), std::string::npos) << e.what();
-          }
-          const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-          EXPECT_TRUE(threw) << "no error after a peer skipped " << phase;
-          EXPECT_LT(ms, 1500 + 3000) << "the timeout took too long";
-          // The object refuses further use with the same error; the context stays usable.
-          EXPECT_THROW(a2a->dispatch(dev.dispatch), Error);
-          void* p = nullptr;
-          EXPECT_EQ(cudaMalloc(&p, 1024), cudaSuccess);
-          cudaFree(p);
-        }
-        bootstrap.barrier();
+        gputest::Silence silence;
+        silence.phase = phase;
+        gputest::peerNeverEnters(base(2), rank, bootstrap, "nvlink", silence);
       },
       options());
   EXPECT_TRUE(result.allOk()) << result.summary();
@@ -543,9 +352,7 @@ TEST(NvlinkGpu, W2RanksThatDisagreeOnThreadsAreRefused) {
   test::RunResult result = test::runRanks(
       2,
       [](int rank, Bootstrap& bootstrap) {
-        int count = 0;
-        CUDA_OK(cudaGetDeviceCount(&count));
-        CUDA_OK(cudaSetDevice(rank % count));
+        gputest::useRankDevice(rank);
         setenv("EPCOMM_NVLINK_THREADS", rank == 0 ? "256" : "512", 1);
         Scenario s = base(2);
         s.maxTokens = 128;
@@ -584,7 +391,7 @@ TEST(NvlinkGpu, W2SetupFailureFreesEverything) {
         }
         CUDA_OK(cudaSetDevice(0));
         CUDA_OK(cudaFree(nullptr));  // the context
-        Scenario s = decodeShape();
+        Scenario s = gputest::decodeShape(base(2));
         s.maxTokens = 4096;
         const Config config = gputest::scenarioConfig(s, 0);
         uint64_t planned = 0;
@@ -627,34 +434,7 @@ TEST(NvlinkGpu, W1CallsOutOfOrderAreRefused) {
   test::RunResult result = test::runRanks(
       1,
       [](int rank, Bootstrap& bootstrap) {
-        ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-        LoadedObject o(base(1), rank, bootstrap, 9);
-        auto& a2a = o.a2a;
-        DeviceTensors& dev = o.dev;
-        auto refused = [](const std::function<void()>& call, const char* text) {
-          try {
-            call();
-            ADD_FAILURE() << "no error, expected: " << text;
-          } catch (const Error& e) {
-            EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
-            EXPECT_NE(e.message().find(text), std::string::npos) << e.what();
-          }
-        };
-        refused([&] { a2a->combine(dev.combine); }, "combine send while the object is 'idle'");
-        DispatchArgs recvOnly = dev.dispatch;
-        recvOnly.doSend = false;
-        refused([&] { a2a->dispatch(recvOnly); }, "dispatch receive while the object is 'idle'");
-        a2a->dispatch(dev.dispatch);
-        refused([&] { a2a->dispatch(dev.dispatch); }, "combine the last dispatch first");
-        // The peers wait for the weights of every dispatched token (tagged words): fewer rows than m are refused.
-        CombineArgs fewWeights = dev.combine;
-        fewWeights.doRecv = false;
-        ASSERT_GT(fewWeights.weights.shape[0], 0);
-        fewWeights.weights.shape[0] -= 1;
-        refused([&] { a2a->combine(fewWeights); }, "fewer than the m");
-        a2a->combine(dev.combine);
-        a2a->synchronize();
-        EXPECT_EQ(o.round.check(rank, dev), "");
+        gputest::callsOutOfOrderAreRefused(base(1), rank, bootstrap, "nvlink", true);
       },
       options());
   EXPECT_TRUE(result.allOk()) << result.summary();
@@ -671,9 +451,7 @@ void castRounds(const test::CastCase& cc, uint32_t rounds, bool split) {
   test::RunResult result = test::runRanks(
       static_cast<int>(cc.W),
       [&](int rank, Bootstrap& bootstrap) {
-        int count = 0;
-        CUDA_OK(cudaGetDeviceCount(&count));
-        CUDA_OK(cudaSetDevice(rank % count));
+        gputest::useRankDevice(rank);
         const Config c = cc.config(static_cast<uint32_t>(rank));
         std::unique_ptr<AllToAll> a2a = createAllToAll(c, bootstrap, "nvlink");
         int device = 0;
@@ -711,9 +489,7 @@ void castRounds(const test::CastCase& cc, uint32_t rounds, bool split) {
           d.indices = TensorView::contiguous(indices.get(), DType::kI32, {m, K}, MemoryKind::kCuda, device);
           d.stream = stream;
           if (split) {
-            DispatchArgs send = d, recv = d;
-            send.doRecv = false;
-            recv.doSend = false;
+            const auto [send, recv] = gputest::halves(d);
             a2a->dispatch(send);
             CUDA_OK(cudaMemsetAsync(y.get(), 0, 256, stream));  // other work on the stream between the halves
             a2a->dispatch(recv);
@@ -831,29 +607,7 @@ TEST(NvlinkGpu, W2Fp8CastMatchesSeparateCast) {
 TEST(NvlinkGpu, W1BadIndexIsDeviceError) {
   REQUIRE_GPUS(1);
   test::RunResult result = test::runRanks(
-      1,
-      [](int rank, Bootstrap& bootstrap) {
-        ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-        Scenario s = base(1);
-        s.ragged = false;
-        LoadedObject o(s, rank, bootstrap, 5);
-        auto& a2a = o.a2a;
-        DeviceTensors& dev = o.dev;
-        const int32_t bad = static_cast<int32_t>(s.experts) + 3;
-        ASSERT_EQ(
-            cudaMemcpy(static_cast<int32_t*>(dev.indices.get()) + 2 * s.topK + 1, &bad, 4, cudaMemcpyHostToDevice),
-            cudaSuccess);
-        a2a->dispatch(dev.dispatch);
-        try {
-          a2a->synchronize();
-          ADD_FAILURE() << "no error for index " << bad;
-        } catch (const Error& e) {
-          EXPECT_EQ(e.code(), ErrorCode::kDeviceError) << e.what();
-          EXPECT_NE(e.message().find("token 2"), std::string::npos) << e.what();
-          EXPECT_NE(e.message().find(std::to_string(bad)), std::string::npos) << e.what();
-        }
-        EXPECT_THROW(a2a->combine(dev.combine), Error);
-      },
+      1, [](int rank, Bootstrap& bootstrap) { gputest::badIndexIsDeviceError(base(1), rank, bootstrap, "nvlink"); },
       options());
   EXPECT_TRUE(result.allOk()) << result.summary();
 }

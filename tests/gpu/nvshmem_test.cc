@@ -6,15 +6,14 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include <chrono>
 #include <cstdlib>
-#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "epcomm/error.hpp"
+#include "gpu_cases.hpp"
 #include "gpu_harness.hpp"
 #include "support/multiprocess.hpp"
 #include "support/scoped_env.hpp"
@@ -22,8 +21,6 @@
 namespace epcomm {
 namespace {
 
-using gputest::DeviceTensors;
-using gputest::Round;
 using gputest::Scenario;
 using test::ScopedEnv;
 
@@ -65,16 +62,7 @@ test::RunOptions options() {
 // Runs every scenario in `list` on `world` ranks (one process each); each scenario creates its own object.
 void runAll(int world, const std::vector<Scenario>& list) {
   OneHostNvshmem nvshmemEnv;
-  test::RunResult result = test::runRanks(
-      world,
-      [&](int rank, Bootstrap& bootstrap) {
-        for (size_t i = 0; i < list.size(); ++i) {
-          std::string err = gputest::runScenario(list[i], static_cast<uint32_t>(rank), bootstrap, "nvshmem");
-          ASSERT_TRUE(err.empty()) << "scenario " << i << ": " << err;
-        }
-      },
-      options());
-  EXPECT_TRUE(result.allOk()) << result.summary();
+  gputest::runScenariosOnRanks(world, list, "nvshmem", options());
 }
 
 // Every case checks the combine against the exact sum: within one final rounding of an fp32 sum (the partials cross in
@@ -86,44 +74,13 @@ Scenario base(uint32_t world) {
   return s;
 }
 
-// Selects rank % devices as the current device (what the objects use when EPCOMM_LOCAL_RANK is unset).
-void useRankDevice(int rank) {
-  int count = 0;
-  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
-  ASSERT_EQ(cudaSetDevice(rank % count), cudaSuccess);
-}
-
-// One rank's nvshmem object for `s`, its device tensors and one round's inputs uploaded into them (the tests that
-// drive the calls themselves). The current CUDA device is chosen by the caller.
-struct LoadedObject {
-  LoadedObject(const Scenario& s, int rank, Bootstrap& bootstrap, uint64_t seed)
-      : a2a(createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "nvshmem")), round(s, seed) {
-    gputest::allocateDevice(s, rank, dev);
-    round.upload(rank, dev);
-  }
-  std::unique_ptr<AllToAll> a2a;
-  DeviceTensors dev;
-  Round round;
-};
-
 // One rank: basic rounds, masked and repeated experts with ragged m and a device boundM in both layouts with padding,
 // every index type, split halves with accumulate; 512 experts, and 1024 (the dispatch's ranking tables, per warp and
 // local expert, then need more than the default 48 KiB of shared memory).
 TEST(NvshmemGpu, W1Layouts) {
   REQUIRE_GPU();
-  Scenario s = base(1);
-  s.masked = true;
-  s.deviceBound = true;
-  s.layout = Layout::kPacked;
-  s.padding = 8;
-  Scenario b = s;
-  b.layout = Layout::kBatched;
-  b.padding = 4;
-  b.indexType = DType::kU32;
-  Scenario c = s;
-  c.indexType = DType::kI64;
-  c.split = true;
-  c.accumulate = true;
+  std::vector<Scenario> list = {base(1)};
+  for (const Scenario& s : gputest::maskedBoundLayouts(base(1))) list.push_back(s);
   Scenario many = base(1);
   many.experts = 512;
   many.topK = 8;
@@ -132,7 +89,9 @@ TEST(NvshmemGpu, W1Layouts) {
   more.experts = 1024;
   more.split = true;
   more.seed = 11;
-  runAll(1, {base(1), s, b, c, many, more});
+  list.push_back(many);
+  list.push_back(more);
+  runAll(1, list);
 }
 
 TEST(NvshmemGpu, W2Basic) {
@@ -218,15 +177,7 @@ TEST(NvshmemGpu, W3SplitMixed) {
 // DP groups: D = 2 on 2 ranks (one group) and on 4 ranks (two groups); every rank of a group gets the combine.
 TEST(NvshmemGpu, W2DpGroupD2) {
   REQUIRE_GPU();
-  Scenario s = base(2);
-  s.dp = 2;
-  s.masked = true;
-  s.deviceBound = true;
-  Scenario p = s;
-  p.layout = Layout::kPacked;
-  p.padding = 4;
-  p.split = true;
-  runAll(2, {s, p});
+  runAll(2, gputest::dpGroupsOfTwo(base(2)));
 }
 
 TEST(NvshmemGpu, W4DpGroupD2) {
@@ -259,14 +210,7 @@ TEST(NvshmemGpu, W2NothingCrossesBetweenRanks) {
 // SPEC's decode shape: 256 experts, top-8, 128 tokens of 7168 fp8 bytes and 56 fp32 scales.
 TEST(NvshmemGpu, W2DecodeShape) {
   REQUIRE_GPU();
-  Scenario s = base(2);
-  s.experts = 256;
-  s.topK = 8;
-  s.hidden = 7168;
-  s.maxTokens = 128;
-  s.xType = DType::kFp8E4M3;
-  s.scales = true;
-  s.rounds = 2;
+  Scenario s = gputest::decodeShape(base(2));
   s.ragged = false;
   Scenario masked = s;
   masked.maxTokens = 64;
@@ -388,48 +332,11 @@ void twoObjectsInFlight(int world) {
   test::RunResult result = test::runRanks(
       world,
       [world](int rank, Bootstrap& bootstrap) {
-        useRankDevice(rank);
-        Scenario sa = base(world), sb = base(world);
-        sa.experts = sb.experts = 4 * world;
-        sb.layout = Layout::kPacked;
-        sb.hidden = 512;
-        sb.masked = true;
+        Scenario sa = base(world);
+        sa.experts = 4 * world;
+        Scenario sb = gputest::secondObject(sa);
         sb.deviceBound = true;
-        auto a = createAllToAll(gputest::scenarioConfig(sa, rank), bootstrap, "nvshmem");
-        auto b = createAllToAll(gputest::scenarioConfig(sb, rank), bootstrap, "nvshmem");
-        DeviceTensors da, db;
-        gputest::allocateDevice(sa, rank, da);
-        gputest::allocateDevice(sb, rank, db);
-        cudaStream_t s1, s2;
-        ASSERT_EQ(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking), cudaSuccess);
-        ASSERT_EQ(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking), cudaSuccess);
-        const bool splitB = world > 2;
-        for (int round = 0; round < 3; ++round) {
-          Round ra(sa, 500 + round), rb(sb, 600 + round);
-          ra.upload(rank, da);
-          rb.upload(rank, db);
-          da.dispatch.stream = da.combine.stream = s1;
-          db.dispatch.stream = db.combine.stream = s2;
-          DispatchArgs bSend = db.dispatch, bRecv = db.dispatch;
-          bSend.doRecv = false;
-          bRecv.doSend = false;
-          CombineArgs cSend = db.combine, cRecv = db.combine;
-          cSend.doRecv = false;
-          cRecv.doSend = false;
-          a->dispatch(da.dispatch);
-          b->dispatch(splitB ? bSend : db.dispatch);
-          if (splitB) b->dispatch(bRecv);
-          a->combine(da.combine);
-          b->combine(splitB ? cSend : db.combine);
-          if (splitB) b->combine(cRecv);
-          a->synchronize();
-          b->synchronize();
-          std::string ea = ra.check(rank, da), eb = rb.check(rank, db);
-          ASSERT_TRUE(ea.empty()) << "object A round " << round << ": " << ea;
-          ASSERT_TRUE(eb.empty()) << "object B round " << round << ": " << eb;
-        }
-        cudaStreamDestroy(s1);
-        cudaStreamDestroy(s2);
+        gputest::twoObjectsInFlight(sa, sb, rank, bootstrap, "nvshmem", world > 2);
       },
       options());
   EXPECT_TRUE(result.allOk()) << result.summary();
@@ -453,59 +360,14 @@ void graphReplay(int world, bool split = false, uint32_t dp = 1) {
   test::RunResult result = test::runRanks(
       world,
       [world, split, dp](int rank, Bootstrap& bootstrap) {
-        useRankDevice(rank);
         Scenario s = base(world);
         s.experts = 8 * world;  // a multiple of every world size
-        s.hidden = 128;
-        s.maxTokens = 16;
-        s.ragged = false;  // m is part of the captured call; the token count varies through *boundM
-        s.deviceBound = true;
-        s.masked = true;
         s.dp = dp;
         s.layout = split ? Layout::kPacked : Layout::kBatched;
         s.padding = split ? 4 : 1;
-        auto a2a = createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "nvshmem");
-        DeviceTensors dev;
-        gputest::allocateDevice(s, rank, dev);
-        cudaStream_t stream;
-        ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-        {
-          Round r0(s, 9000);
-          r0.upload(rank, dev);
-        }
-        dev.dispatch.stream = dev.combine.stream = stream;
-        cudaGraph_t graph;
-        cudaGraphExec_t exec;
-        ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-        if (split) {
-          DispatchArgs dSend = dev.dispatch, dRecv = dev.dispatch;
-          dSend.doRecv = false;
-          dRecv.doSend = false;
-          CombineArgs cSend = dev.combine, cRecv = dev.combine;
-          cSend.doRecv = false;
-          cRecv.doSend = false;
-          a2a->dispatch(dSend);
-          a2a->dispatch(dRecv);
-          a2a->combine(cSend);
-          a2a->combine(cRecv);
-        } else {
-          a2a->dispatch(dev.dispatch);
-          a2a->combine(dev.combine);
-        }
-        ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-        ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-        for (int replay = 0; replay < 100; ++replay) {
-          Round r(s, 10000 + replay);
-          r.upload(rank, dev);
-          ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-          ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-          a2a->synchronize();
-          std::string err = r.check(rank, dev);
-          ASSERT_TRUE(err.empty()) << "replay " << replay << ": " << err;
-        }
-        cudaGraphExecDestroy(exec);
-        cudaGraphDestroy(graph);
-        cudaStreamDestroy(stream);
+        gputest::Replays replays;
+        replays.splitHalves = split;
+        gputest::graphReplay(s, rank, bootstrap, "nvshmem", replays);
       },
       options());
   EXPECT_TRUE(result.allOk()) << result.summary();
@@ -541,43 +403,12 @@ void peerNeverEnters(int world, const std::string& phase) {
   test::RunResult result = test::runRanks(
       world,
       [&](int rank, Bootstrap& bootstrap) {
-        useRankDevice(rank);
         Scenario s = base(static_cast<uint32_t>(world));
         s.experts = 8 * static_cast<uint32_t>(world);
-        LoadedObject o(s, rank, bootstrap, 77);
-        auto& a2a = o.a2a;
-        DeviceTensors& dev = o.dev;
-        const int missing = world - 1;
-        const bool skipDispatch = phase == "dispatch";
-        if (!skipDispatch) {
-          a2a->dispatch(dev.dispatch);
-          a2a->synchronize();
-        }
-        if (rank != missing) {
-          const auto start = std::chrono::steady_clock::now();
-          if (skipDispatch) {
-            a2a->dispatch(dev.dispatch);
-          } else {
-            a2a->combine(dev.combine);
-          }
-          bool threw = false;
-          try {
-            a2a->synchronize();
-          } catch (const Error& e) {
-            threw = true;
-            EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
-            EXPECT_NE(e.message().find("peer rank " + std::to_string(missing)), std::string::npos) << e.what();
-            EXPECT_NE(e.message().find(phase), std::string::npos) << e.what();
-          }
-          const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-          EXPECT_TRUE(threw) << "no error after a peer skipped " << phase;
-          EXPECT_LT(ms, 1500 + 5000) << "the timeout took too long";
-          EXPECT_THROW(a2a->dispatch(dev.dispatch), Error);
-          void* p = nullptr;
-          EXPECT_EQ(cudaMalloc(&p, 1024), cudaSuccess);
-          cudaFree(p);
-        }
-        bootstrap.barrier();
+        gputest::Silence silence;
+        silence.phase = phase;
+        silence.withinMs = 1500 + 5000;
+        gputest::peerNeverEnters(s, rank, bootstrap, "nvshmem", silence);
       },
       options());
   EXPECT_TRUE(result.allOk()) << result.summary();
@@ -605,33 +436,7 @@ TEST(NvshmemGpu, W1CallsOutOfOrderAreRefused) {
   test::RunResult result = test::runRanks(
       1,
       [](int rank, Bootstrap& bootstrap) {
-        useRankDevice(rank);
-        LoadedObject o(base(1), rank, bootstrap, 9);
-        auto& a2a = o.a2a;
-        DeviceTensors& dev = o.dev;
-        auto refused = [](const std::function<void()>& call, const char* text) {
-          try {
-            call();
-            ADD_FAILURE() << "no error, expected: " << text;
-          } catch (const Error& e) {
-            EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
-            EXPECT_NE(e.message().find(text), std::string::npos) << e.what();
-          }
-        };
-        refused([&] { a2a->combine(dev.combine); }, "combine send while the object is 'idle'");
-        DispatchArgs recvOnly = dev.dispatch;
-        recvOnly.doSend = false;
-        refused([&] { a2a->dispatch(recvOnly); }, "dispatch receive while the object is 'idle'");
-        a2a->dispatch(dev.dispatch);
-        refused([&] { a2a->dispatch(dev.dispatch); }, "combine the last dispatch first");
-        CombineArgs fewWeights = dev.combine;
-        fewWeights.doRecv = false;
-        ASSERT_GT(fewWeights.weights.shape[0], 0);
-        fewWeights.weights.shape[0] -= 1;
-        refused([&] { a2a->combine(fewWeights); }, "fewer than the m");
-        a2a->combine(dev.combine);
-        a2a->synchronize();
-        EXPECT_EQ(o.round.check(rank, dev), "");
+        gputest::callsOutOfOrderAreRefused(base(1), rank, bootstrap, "nvshmem", true);
       },
       options());
   EXPECT_TRUE(result.allOk()) << result.summary();
@@ -643,29 +448,7 @@ TEST(NvshmemGpu, W1BadIndexIsDeviceError) {
   REQUIRE_GPU();
   OneHostNvshmem nvshmemEnv;
   test::RunResult result = test::runRanks(
-      1,
-      [](int rank, Bootstrap& bootstrap) {
-        useRankDevice(rank);
-        Scenario s = base(1);
-        s.ragged = false;
-        LoadedObject o(s, rank, bootstrap, 5);
-        auto& a2a = o.a2a;
-        DeviceTensors& dev = o.dev;
-        const int32_t bad = static_cast<int32_t>(s.experts) + 3;
-        ASSERT_EQ(
-            cudaMemcpy(static_cast<int32_t*>(dev.indices.get()) + 2 * s.topK + 1, &bad, 4, cudaMemcpyHostToDevice),
-            cudaSuccess);
-        a2a->dispatch(dev.dispatch);
-        try {
-          a2a->synchronize();
-          ADD_FAILURE() << "no error for index " << bad;
-        } catch (const Error& e) {
-          EXPECT_EQ(e.code(), ErrorCode::kDeviceError) << e.what();
-          EXPECT_NE(e.message().find("token 2"), std::string::npos) << e.what();
-          EXPECT_NE(e.message().find(std::to_string(bad)), std::string::npos) << e.what();
-        }
-        EXPECT_THROW(a2a->combine(dev.combine), Error);
-      },
+      1, [](int rank, Bootstrap& bootstrap) { gputest::badIndexIsDeviceError(base(1), rank, bootstrap, "nvshmem"); },
       options());
   EXPECT_TRUE(result.allOk()) << result.summary();
 }
@@ -679,7 +462,7 @@ TEST(NvshmemGpu, W1HeapTooSmallIsUnavailable) {
   test::RunResult result = test::runRanks(
       1,
       [](int rank, Bootstrap& bootstrap) {
-        useRankDevice(rank);
+        gputest::useRankDevice(rank);
         Scenario small = base(1);
         { auto first = createAllToAll(gputest::scenarioConfig(small, rank), bootstrap, "nvshmem"); }
         // ~3.2 GB of symmetric buffers: far beyond the heap and NVSHMEM's own extra room.

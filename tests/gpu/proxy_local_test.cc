@@ -7,22 +7,21 @@
 // node peers' bulk off the fabric, are checked without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
-#include <signal.h>
 #include <unistd.h>
 
-#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <regex>
 #include <string>
 #include <vector>
 
 #include "backends/proxy/proxy_all_to_all.hpp"
 #include "backends/proxy/proxy_local.hpp"
 #include "epcomm/error.hpp"
+#include "gpu_cases.hpp"
 #include "gpu_harness.hpp"
 #include "proxy/proxy_channel.hpp"
+#include "proxy_cases.hpp"
 #include "support/fabric_probe.hpp"
 #include "support/multiprocess.hpp"
 #include "support/scoped_env.hpp"
@@ -31,7 +30,6 @@ namespace epcomm {
 namespace {
 
 using gputest::DeviceTensors;
-using gputest::Round;
 using gputest::Scenario;
 using test::ScopedEnv;
 
@@ -41,18 +39,7 @@ test::RunOptions options() {
   return o;
 }
 
-Scenario base(uint32_t world) {
-  Scenario s;
-  s.world = world;
-  s.experts = 4 * world;
-  return s;
-}
-
-void useGpu(int rank) {
-  int count = 0;
-  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
-  ASSERT_EQ(cudaSetDevice(rank % count), cudaSuccess);
-}
+Scenario base(uint32_t world) { return gputest::proxyScenario(world); }
 
 // ---- Ranks per node (no GPU) -------------------------------------------------------------------------------------
 
@@ -176,17 +163,8 @@ class ProxyLocalGpu : public ::testing::TestWithParam<std::string> {
   void runAll(int world, int localSize, const std::vector<Scenario>& list) {
     const std::string ls = std::to_string(localSize);
     ScopedEnv local({{"EPCOMM_PROXY_LOCAL_SIZE", ls.c_str()}});
-    test::RunResult result = test::runRanks(
-        world,
-        [&](int rank, Bootstrap& bootstrap) {
-          for (size_t i = 0; i < list.size(); ++i) {
-            std::string err = gputest::runScenario(list[i], static_cast<uint32_t>(rank), bootstrap, "proxy");
-            ASSERT_TRUE(err.empty()) << "W = " << world << ", local size " << localSize << ", scenario " << i << ": "
-                                     << err;
-          }
-        },
-        options());
-    EXPECT_TRUE(result.allOk()) << "W = " << world << ", local size " << localSize << ": " << result.summary();
+    gputest::runScenariosOnRanks(world, list, "proxy", options(),
+                                 "W = " + std::to_string(world) + ", local size " + ls);
   }
 
   std::unique_ptr<ScopedEnv> env_;
@@ -194,17 +172,7 @@ class ProxyLocalGpu : public ::testing::TestWithParam<std::string> {
 
 // Masked and repeated experts, ragged m, a device boundM, both layouts with padding and three index dtypes.
 std::vector<Scenario> layoutsFor(uint32_t world) {
-  std::vector<Scenario> list;
-  for (Layout layout : {Layout::kBatched, Layout::kPacked}) {
-    Scenario s = base(world);
-    s.masked = true;
-    s.deviceBound = true;
-    s.layout = layout;
-    s.padding = layout == Layout::kPacked ? 16 : 4;
-    s.indexType = layout == Layout::kPacked ? DType::kI64 : DType::kU32;
-    s.seed = 10 * world + (layout == Layout::kPacked ? 1 : 0);
-    list.push_back(s);
-  }
+  std::vector<Scenario> list = gputest::maskedLayouts(world);
   Scenario own = base(world);  // every token to its own rank's experts: nothing crosses
   own.ownExperts = true;
   own.seed = 300 + world;
@@ -267,30 +235,14 @@ TEST_P(ProxyLocalGpu, SplitHalvesAndAccumulate) {
 
 // Every payload dtype with every (expertY, outTokens) pair, all local; a few over two nodes.
 TEST_P(ProxyLocalGpu, DtypeMatrix) {
-  const DType payloads[] = {DType::kFp8E4M3, DType::kBf16, DType::kF16, DType::kF32};
-  const DType combine[] = {DType::kBf16, DType::kF16, DType::kF32};
-  std::vector<Scenario> all, some;
-  uint64_t seed = 100;
-  for (DType p : payloads) {
-    for (DType y : combine) {
-      for (DType o : combine) {
-        Scenario s = base(2);
-        s.xType = p;
-        s.scales = p == DType::kFp8E4M3;
-        s.yType = y;
-        s.outType = o;
-        s.hidden = 128;
-        s.rounds = 1;
-        s.masked = true;
-        s.seed = seed++;
-        all.push_back(s);
-        if (y == o) {
-          Scenario f = s;
-          f.world = 4;
-          f.experts = 16;
-          some.push_back(f);
-        }
-      }
+  const std::vector<Scenario> all = gputest::dtypeMatrix(base(2));
+  std::vector<Scenario> some;
+  for (const Scenario& s : all) {
+    if (s.yType == s.outType) {
+      Scenario f = s;
+      f.world = 4;
+      f.experts = 16;
+      some.push_back(f);
     }
   }
   runAll(2, 2, all);
@@ -315,15 +267,8 @@ TEST_P(ProxyLocalGpu, OverflowAndDecodeShape) {
     runAll(4, 2, {s});
     runAll(3, 3, {t});
   }
-  Scenario d = base(2);
-  d.experts = 256;
-  d.topK = 8;
-  d.hidden = 7168;
-  d.maxTokens = 128;
-  d.xType = DType::kFp8E4M3;
-  d.scales = true;
+  Scenario d = gputest::decodeShape(base(2));
   d.ragged = false;
-  d.rounds = 2;
   runAll(2, 2, {d});
 }
 
@@ -335,7 +280,7 @@ TEST_P(ProxyLocalGpu, NodePeersGetControlOnly) {
   test::RunResult result = test::runRanks(
       4,
       [](int rank, Bootstrap& bootstrap) {
-        useGpu(rank);
+        gputest::useRankDevice(rank);
         Scenario s = base(4);
         s.masked = true;
         s.ragged = false;
@@ -344,24 +289,13 @@ TEST_P(ProxyLocalGpu, NodePeersGetControlOnly) {
         DeviceTensors dev;
         gputest::allocateDevice(s, rank, dev);
         const int rounds = 4;
-        for (int round = 0; round < rounds; ++round) {
-          Round r(s, 70 + round);
-          r.upload(rank, dev);
-          a2a.dispatch(dev.dispatch);
-          a2a.combine(dev.combine);
-          a2a.synchronize();
-          const std::string err = r.check(rank, dev);
-          ASSERT_TRUE(err.empty()) << "round " << round << ": " << err;
-        }
+        ASSERT_NO_FATAL_FAILURE(gputest::checkedRounds(a2a, s, rank, dev, rounds, 70));
         const proxy::ChannelStats st = a2a.stats();
         const uint64_t head = a2a.sizes().headBytes;
-        EXPECT_EQ(st.dispatchRounds, static_cast<uint64_t>(rounds));
-        EXPECT_EQ(st.combineRounds, static_cast<uint64_t>(rounds));
+        gputest::expectControlPerRound(st, 4, rank, rounds);
         uint64_t fabricBulk = 0;
         for (int p = 0; p < 4; ++p) {
           if (p == rank) continue;
-          EXPECT_EQ(st.peers[p].headWrites, static_cast<uint64_t>(rounds)) << "peer " << p;
-          EXPECT_EQ(st.peers[p].combineWrites, static_cast<uint64_t>(rounds)) << "peer " << p;
           if (p / 2 == rank / 2) {
             EXPECT_EQ(st.peers[p].bulkWrites, 0u) << "node peer " << p;
             EXPECT_EQ(st.peers[p].bytes, rounds * head) << "node peer " << p << ": only its heads";
@@ -383,37 +317,7 @@ TEST_P(ProxyLocalGpu, TwoObjectsInFlight) {
   test::RunResult result = test::runRanks(
       2,
       [](int rank, Bootstrap& bootstrap) {
-        useGpu(rank);
-        Scenario sa = base(2), sb = base(2);
-        sb.layout = Layout::kPacked;
-        sb.hidden = 512;
-        sb.masked = true;
-        auto a = createAllToAll(gputest::scenarioConfig(sa, rank), bootstrap, "proxy");
-        auto b = createAllToAll(gputest::scenarioConfig(sb, rank), bootstrap, "proxy");
-        DeviceTensors da, db;
-        gputest::allocateDevice(sa, rank, da);
-        gputest::allocateDevice(sb, rank, db);
-        cudaStream_t s1, s2;
-        ASSERT_EQ(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking), cudaSuccess);
-        ASSERT_EQ(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking), cudaSuccess);
-        for (int round = 0; round < 3; ++round) {
-          Round ra(sa, 500 + round), rb(sb, 600 + round);
-          ra.upload(rank, da);
-          rb.upload(rank, db);
-          da.dispatch.stream = da.combine.stream = s1;
-          db.dispatch.stream = db.combine.stream = s2;
-          a->dispatch(da.dispatch);
-          b->dispatch(db.dispatch);
-          a->combine(da.combine);
-          b->combine(db.combine);
-          a->synchronize();
-          b->synchronize();
-          std::string ea = ra.check(rank, da), eb = rb.check(rank, db);
-          ASSERT_TRUE(ea.empty()) << "object A round " << round << ": " << ea;
-          ASSERT_TRUE(eb.empty()) << "object B round " << round << ": " << eb;
-        }
-        cudaStreamDestroy(s1);
-        cudaStreamDestroy(s2);
+        gputest::twoObjectsInFlight(base(2), gputest::secondObject(base(2)), rank, bootstrap, "proxy");
       },
       options());
   EXPECT_TRUE(result.allOk()) << result.summary();
@@ -428,46 +332,11 @@ TEST_P(ProxyLocalGpu, GraphReplay) {
     test::RunResult result = test::runRanks(
         world,
         [&](int rank, Bootstrap& bootstrap) {
-          useGpu(rank);
-          Scenario s = base(static_cast<uint32_t>(world));
-          s.hidden = 128;
-          s.maxTokens = 16;
-          s.ragged = false;  // m is part of the captured call; the token count varies through *boundM
-          s.deviceBound = true;
-          s.masked = true;
-          auto a2a = createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "proxy");
-          DeviceTensors dev;
-          gputest::allocateDevice(s, rank, dev);
-          cudaStream_t stream;
-          ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-          {
-            Round r0(s, 9000);
-            r0.upload(rank, dev);
-          }
-          dev.dispatch.stream = dev.combine.stream = stream;
-          cudaGraph_t graph;
-          cudaGraphExec_t exec;
-          ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-          a2a->dispatch(dev.dispatch);
-          a2a->combine(dev.combine);
-          ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-          ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-          std::vector<uint8_t> first;
-          for (int replay = 0; replay < replays; ++replay) {
-            // Replays 0 and 1 repeat the same inputs: their outputs must be bitwise equal.
-            Round r(s, 10000 + (replay == 1 ? 0 : replay));
-            r.upload(rank, dev);
-            ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-            ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-            a2a->synchronize();
-            std::string err = r.check(rank, dev);
-            ASSERT_TRUE(err.empty()) << "W = " << world << " replay " << replay << ": " << err;
-            if (replay == 0) first = Round::snapshot(dev);
-            if (replay == 1) ASSERT_EQ(Round::snapshot(dev), first) << "replay 1 differs bitwise from replay 0";
-          }
-          cudaGraphExecDestroy(exec);
-          cudaGraphDestroy(graph);
-          cudaStreamDestroy(stream);
+          gputest::Replays r;
+          r.count = replays;
+          r.repeatFirst = true;  // replays 0 and 1 repeat the same inputs: their outputs must be bitwise equal
+          r.what = "W = " + std::to_string(world);
+          gputest::graphReplay(base(static_cast<uint32_t>(world)), rank, bootstrap, "proxy", r);
         },
         options());
     EXPECT_TRUE(result.allOk()) << "W = " << world << ": " << result.summary();
@@ -481,31 +350,11 @@ TEST_P(ProxyLocalGpu, NodePeerThatNeverDispatchesTimesOut) {
   test::RunResult result = test::runRanks(
       2,
       [](int rank, Bootstrap& bootstrap) {
-        useGpu(rank);
-        Scenario s = base(2);
-        auto a2a = createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "proxy");
-        DeviceTensors dev;
-        gputest::allocateDevice(s, rank, dev);
-        Round r(s, 77);
-        r.upload(rank, dev);
-        if (rank == 0) {
-          const auto start = std::chrono::steady_clock::now();
-          a2a->dispatch(dev.dispatch);
-          bool threw = false;
-          try {
-            a2a->synchronize();
-          } catch (const Error& e) {
-            threw = true;
-            EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
-            EXPECT_NE(e.message().find("rank 1"), std::string::npos) << e.what();
-            EXPECT_NE(e.message().find("dispatch"), std::string::npos) << e.what();
-          }
-          const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-          EXPECT_TRUE(threw) << "no error after a node peer skipped dispatch";
-          EXPECT_LT(ms, 1500 + 3000) << "the timeout took too long";
-          EXPECT_THROW(a2a->dispatch(dev.dispatch), Error);
-        }
-        bootstrap.barrier();
+        gputest::Silence silence;
+        silence.names = "rank ";
+        silence.contextUsable = false;
+        silence.who = "a node peer";
+        gputest::peerNeverEnters(base(2), rank, bootstrap, "proxy", silence);
       },
       options());
   EXPECT_TRUE(result.allOk()) << result.summary();
@@ -521,48 +370,10 @@ TEST_P(ProxyLocalGpu, PeerKilledMidRoundIsNamed) {
     test::RunResult result = test::runRanks(
         world,
         [&](int rank, Bootstrap& bootstrap) {
-          useGpu(rank);
-          Scenario s = base(static_cast<uint32_t>(world));
-          auto a2a = createAllToAll(gputest::scenarioConfig(s, rank), bootstrap, "proxy");
-          DeviceTensors dev;
-          gputest::allocateDevice(s, rank, dev);
-          Round r(s, 5);
-          r.upload(rank, dev);
-          a2a->dispatch(dev.dispatch);
-          a2a->combine(dev.combine);
-          a2a->synchronize();
-          ASSERT_EQ(r.check(rank, dev), "");
-          DispatchArgs send = dev.dispatch;
-          send.doRecv = false;
-          a2a->dispatch(send);
-          if (rank == 2) raise(SIGKILL);
-          const auto start = std::chrono::steady_clock::now();
-          try {
-            DispatchArgs recv = dev.dispatch;
-            recv.doSend = false;
-            a2a->dispatch(recv);
-            a2a->combine(dev.combine);
-            a2a->synchronize();
-            ADD_FAILURE() << "round completed without rank 2";
-          } catch (const Error& e) {
-            EXPECT_TRUE(e.code() == ErrorCode::kTimeout || e.code() == ErrorCode::kFabric ||
-                        e.code() == ErrorCode::kPeerFailure)
-                << e.what();
-            EXPECT_TRUE(std::regex_search(e.message(), std::regex("ranks? ([0-9]+, )*2([^0-9]|$)"))) << e.what();
-          }
-          const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-          EXPECT_LT(sec, 3 * 2.0 + 3.0) << "the error took too long";
-          EXPECT_THROW(a2a->synchronize(), Error);
+          gputest::peerKilledMidRound(base(static_cast<uint32_t>(world)), rank, bootstrap);
         },
         options());
-    ASSERT_EQ(result.ranks.size(), static_cast<size_t>(world));
-    for (int r = 0; r < world; ++r) {
-      if (r == 2) {
-        EXPECT_EQ(result.ranks[r].signal, SIGKILL) << "W = " << world << ": " << result.summary();
-      } else {
-        EXPECT_TRUE(result.ranks[r].ok()) << "W = " << world << ": " << result.summary();
-      }
-    }
+    ASSERT_NO_FATAL_FAILURE(gputest::expectRank2Killed(result, world, "W = " + std::to_string(world)));
   }
 }
 
@@ -571,7 +382,7 @@ TEST_P(ProxyLocalGpu, RanksDisagreeingOnTheLocalSizeAreRefused) {
   test::RunResult result = test::runRanks(
       2,
       [](int rank, Bootstrap& bootstrap) {
-        useGpu(rank);
+        gputest::useRankDevice(rank);
         setenv("EPCOMM_PROXY_LOCAL_SIZE", rank == 0 ? "2" : "1", 1);  // read at creation
         try {
           auto a2a = createAllToAll(gputest::scenarioConfig(base(2), rank), bootstrap, "proxy");

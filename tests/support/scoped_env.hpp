@@ -1,8 +1,9 @@
-// Sets environment variables for one scope and restores them afterwards (the previous value, or unset). epcomm reads
-// its variables once per process (core/env.hpp), so a test that forks ranks sets them before the fork, and a unit test
-// calls readEnv() itself.
+// Environment variables in tests: ScopedEnv sets some for one scope and restores them afterwards (the previous value,
+// or unset); envNumber reads a test's numeric knob. epcomm reads its variables once per process (core/env.hpp), so a
+// test that forks ranks sets them before the fork, and a unit test calls readEnv() itself.
 #pragma once
 
+#include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
 #include <memory>
@@ -37,6 +38,12 @@ class ScopedEnv {
  private:
   std::vector<std::pair<const char*, std::unique_ptr<std::string>>> saved_;
 };
+
+/// The numeric value of environment variable `name`, or `fallback` when unset or empty.
+inline uint64_t envNumber(const char* name, uint64_t fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::strtoull(v, nullptr, 10) : fallback;
+}
 
 }  // namespace test
 }  // namespace epcomm

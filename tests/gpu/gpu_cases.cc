@@ -1,0 +1,295 @@
+#include "gpu_cases.hpp"
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <functional>
+
+#include "epcomm/error.hpp"
+
+namespace epcomm {
+namespace gputest {
+
+LoadedObject::LoadedObject(const Scenario& s, int rank, Bootstrap& bootstrap, uint64_t seed, const std::string& backend)
+    : a2a(createAllToAll(scenarioConfig(s, rank), bootstrap, backend)), round(s, seed) {
+  allocateDevice(s, rank, dev);
+  round.upload(rank, dev);
+}
+
+void runScenarios(const std::vector<Scenario>& list, uint32_t rank, Bootstrap& bootstrap, const std::string& backend,
+                  const std::string& what) {
+  for (size_t i = 0; i < list.size(); ++i) {
+    std::string err = runScenario(list[i], rank, bootstrap, backend);
+    ASSERT_TRUE(err.empty()) << (what.empty() ? "" : what + ", ") << "scenario " << i << ": " << err;
+  }
+}
+
+void runScenariosOnRanks(int world, const std::vector<Scenario>& list, const std::string& backend,
+                         const test::RunOptions& options, const std::string& what) {
+  test::RunResult result = test::runRanks(
+      world,
+      [&](int rank, Bootstrap& bootstrap) {
+        runScenarios(list, static_cast<uint32_t>(rank), bootstrap, backend, what);
+      },
+      options);
+  EXPECT_TRUE(result.allOk()) << (what.empty() ? "" : what + ": ") << result.summary();
+}
+
+std::vector<Scenario> maskedBoundLayouts(const Scenario& base) {
+  Scenario s = base;
+  s.masked = true;
+  s.deviceBound = true;
+  s.layout = Layout::kPacked;
+  s.padding = 8;
+  Scenario b = s;
+  b.layout = Layout::kBatched;
+  b.padding = 4;
+  b.indexType = DType::kU32;
+  Scenario c = s;
+  c.indexType = DType::kI64;
+  c.split = true;
+  c.accumulate = true;
+  return {s, b, c};
+}
+
+std::vector<Scenario> dpGroupsOfTwo(const Scenario& base) {
+  Scenario s = base;
+  s.dp = 2;
+  s.masked = true;
+  s.deviceBound = true;
+  Scenario p = s;
+  p.layout = Layout::kPacked;
+  p.padding = 4;
+  p.split = true;
+  return {s, p};
+}
+
+std::vector<Scenario> dtypeMatrix(const Scenario& base) {
+  std::vector<Scenario> list;
+  const DType payloads[] = {DType::kFp8E4M3, DType::kBf16, DType::kF16, DType::kF32};
+  const DType combine[] = {DType::kBf16, DType::kF16, DType::kF32};
+  uint64_t seed = 100;
+  for (DType p : payloads) {
+    for (DType y : combine) {
+      for (DType o : combine) {
+        Scenario s = base;
+        s.xType = p;
+        s.scales = p == DType::kFp8E4M3;
+        s.yType = y;
+        s.outType = o;
+        s.hidden = 128;
+        s.rounds = 1;
+        s.masked = true;
+        s.seed = seed++;
+        list.push_back(s);
+      }
+    }
+  }
+  return list;
+}
+
+Scenario decodeShape(Scenario s) {
+  s.experts = 256;
+  s.topK = 8;
+  s.hidden = 7168;
+  s.maxTokens = 128;
+  s.xType = DType::kFp8E4M3;
+  s.scales = true;
+  s.rounds = 2;
+  return s;
+}
+
+Scenario secondObject(Scenario s) {
+  s.layout = Layout::kPacked;
+  s.hidden = 512;
+  s.masked = true;
+  return s;
+}
+
+void twoObjectsInFlight(const Scenario& sa, const Scenario& sb, int rank, Bootstrap& bootstrap,
+                        const std::string& backend, bool splitB) {
+  useRankDevice(rank);
+  auto a = createAllToAll(scenarioConfig(sa, rank), bootstrap, backend);
+  auto b = createAllToAll(scenarioConfig(sb, rank), bootstrap, backend);
+  DeviceTensors da, db;
+  allocateDevice(sa, rank, da);
+  allocateDevice(sb, rank, db);
+  cudaStream_t s1, s2;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking), cudaSuccess);
+  for (int round = 0; round < 3; ++round) {
+    Round ra(sa, 500 + round), rb(sb, 600 + round);
+    ra.upload(rank, da);
+    rb.upload(rank, db);
+    da.dispatch.stream = da.combine.stream = s1;
+    db.dispatch.stream = db.combine.stream = s2;
+    const auto [bSend, bRecv] = halves(db.dispatch);
+    const auto [cSend, cRecv] = halves(db.combine);
+    a->dispatch(da.dispatch);
+    b->dispatch(splitB ? bSend : db.dispatch);
+    if (splitB) b->dispatch(bRecv);
+    a->combine(da.combine);
+    b->combine(splitB ? cSend : db.combine);
+    if (splitB) b->combine(cRecv);
+    a->synchronize();
+    b->synchronize();
+    std::string ea = ra.check(rank, da), eb = rb.check(rank, db);
+    ASSERT_TRUE(ea.empty()) << "object A round " << round << ": " << ea;
+    ASSERT_TRUE(eb.empty()) << "object B round " << round << ": " << eb;
+  }
+  cudaStreamDestroy(s1);
+  cudaStreamDestroy(s2);
+}
+
+void graphReplay(Scenario s, int rank, Bootstrap& bootstrap, const std::string& backend, const Replays& r) {
+  s.hidden = 128;
+  s.maxTokens = 16;
+  s.ragged = false;  // m is part of the captured call; the token count varies through *boundM
+  s.deviceBound = true;
+  s.masked = true;
+  useRankDevice(rank);
+  auto a2a = createAllToAll(scenarioConfig(s, rank), bootstrap, backend);
+  DeviceTensors dev;
+  allocateDevice(s, rank, dev);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  {
+    Round r0(s, 9000);
+    r0.upload(rank, dev);
+  }
+  dev.dispatch.stream = dev.combine.stream = stream;
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  if (r.splitHalves) {
+    const auto [dSend, dRecv] = halves(dev.dispatch);
+    const auto [cSend, cRecv] = halves(dev.combine);
+    a2a->dispatch(dSend);
+    a2a->dispatch(dRecv);
+    a2a->combine(cSend);
+    a2a->combine(cRecv);
+  } else {
+    a2a->dispatch(dev.dispatch);
+    a2a->combine(dev.combine);
+  }
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  std::vector<uint8_t> first;
+  for (int replay = 0; replay < r.count; ++replay) {
+    // repeatFirst: replays 0 and 1 repeat the same inputs, so their outputs must be bitwise equal.
+    Round rd(s, 10000 + (r.repeatFirst && replay == 1 ? 0 : replay));
+    rd.upload(rank, dev);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    a2a->synchronize();
+    std::string err = rd.check(rank, dev);
+    ASSERT_TRUE(err.empty()) << (r.what.empty() ? "" : r.what + " ") << "replay " << replay << ": " << err;
+    if (r.repeatFirst) {
+      if (replay == 0) first = Round::snapshot(dev);
+      if (replay == 1) ASSERT_EQ(Round::snapshot(dev), first) << "replay 1 differs bitwise from replay 0";
+    }
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+void peerNeverEnters(const Scenario& s, int rank, Bootstrap& bootstrap, const std::string& backend, const Silence& x) {
+  useRankDevice(rank);
+  LoadedObject o(s, rank, bootstrap, 77, backend);
+  auto& a2a = o.a2a;
+  DeviceTensors& dev = o.dev;
+  const int missing = static_cast<int>(s.world) - 1;
+  const bool skipDispatch = x.phase == "dispatch";
+  if (!skipDispatch) {
+    a2a->dispatch(dev.dispatch);
+    a2a->synchronize();
+  }
+  if (rank != missing) {
+    const auto start = std::chrono::steady_clock::now();
+    if (skipDispatch) {
+      a2a->dispatch(dev.dispatch);
+    } else {
+      a2a->combine(dev.combine);
+    }
+    bool threw = false;
+    try {
+      a2a->synchronize();
+    } catch (const Error& e) {
+      threw = true;
+      EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+      EXPECT_NE(e.message().find(x.names + std::to_string(missing)), std::string::npos) << e.what();
+      EXPECT_NE(e.message().find(x.phase), std::string::npos) << e.what();
+    }
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_TRUE(threw) << "no error after " << x.who << " skipped " << x.phase;
+    EXPECT_LT(ms, x.withinMs) << "the timeout took too long";
+    // The object refuses further use with the same error; the context stays usable.
+    EXPECT_THROW(a2a->dispatch(dev.dispatch), Error);
+    if (x.contextUsable) {
+      void* p = nullptr;
+      EXPECT_EQ(cudaMalloc(&p, 1024), cudaSuccess);
+      cudaFree(p);
+    }
+  }
+  bootstrap.barrier();
+}
+
+void callsOutOfOrderAreRefused(const Scenario& s, int rank, Bootstrap& bootstrap, const std::string& backend,
+                               bool weightRows) {
+  useRankDevice(rank);
+  LoadedObject o(s, rank, bootstrap, 9, backend);
+  auto& a2a = o.a2a;
+  DeviceTensors& dev = o.dev;
+  auto refused = [](const std::function<void()>& call, const char* text) {
+    try {
+      call();
+      ADD_FAILURE() << "no error, expected: " << text;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(e.message().find(text), std::string::npos) << e.what();
+    }
+  };
+  refused([&] { a2a->combine(dev.combine); }, "combine send while the object is 'idle'");
+  DispatchArgs recvOnly = dev.dispatch;
+  recvOnly.doSend = false;
+  refused([&] { a2a->dispatch(recvOnly); }, "dispatch receive while the object is 'idle'");
+  a2a->dispatch(dev.dispatch);
+  refused([&] { a2a->dispatch(dev.dispatch); }, "combine the last dispatch first");
+  if (weightRows) {
+    // The peers wait for the weights of every dispatched token: fewer rows than m are refused.
+    CombineArgs fewWeights = dev.combine;
+    fewWeights.doRecv = false;
+    ASSERT_GT(fewWeights.weights.shape[0], 0);
+    fewWeights.weights.shape[0] -= 1;
+    refused([&] { a2a->combine(fewWeights); }, "fewer than the m");
+  }
+  a2a->combine(dev.combine);
+  a2a->synchronize();
+  EXPECT_EQ(o.round.check(rank, dev), "");
+}
+
+void badIndexIsDeviceError(Scenario s, int rank, Bootstrap& bootstrap, const std::string& backend) {
+  s.ragged = false;
+  useRankDevice(rank);
+  LoadedObject o(s, rank, bootstrap, 5, backend);
+  auto& a2a = o.a2a;
+  DeviceTensors& dev = o.dev;
+  const int32_t bad = static_cast<int32_t>(s.experts) + 3;
+  ASSERT_EQ(cudaMemcpy(static_cast<int32_t*>(dev.indices.get()) + 2 * s.topK + 1, &bad, 4, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  a2a->dispatch(dev.dispatch);
+  try {
+    a2a->synchronize();
+    ADD_FAILURE() << "no error for index " << bad;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kDeviceError) << e.what();
+    EXPECT_NE(e.message().find("token 2"), std::string::npos) << e.what();
+    EXPECT_NE(e.message().find(std::to_string(bad)), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(a2a->combine(dev.combine), Error);
+}
+
+}  // namespace gputest
+}  // namespace epcomm
