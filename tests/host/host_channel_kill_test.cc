@@ -233,8 +233,9 @@ TEST_P(ChannelKill, SurvivorsNameTheDeadRankAndCloseCleanly) {
               dispatch(2, false, true);
               combine(2, true, true);
             }
-            if (killAt == KillAt::kCombineSent) {
-              // Its immediates may all have left before it died: then round 2 completes and round 3 fails.
+            if (inCombine) {
+              // Its combine writes may all have left before it died (its own proxy thread posts them at once): then
+              // round 2 completes and round 3 fails.
               dispatch(3, true, true);
               combine(3, true, true);
             }
