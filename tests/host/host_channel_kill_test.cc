@@ -244,7 +244,14 @@ TEST_P(ChannelKill, SurvivorsNameTheDeadRankAndCloseCleanly) {
             EXPECT_TRUE(e.code() == ErrorCode::kTimeout || e.code() == ErrorCode::kFabric ||
                         e.code() == ErrorCode::kPeerFailure)
                 << e.what();
-            EXPECT_TRUE(std::regex_search(e.message(), std::regex("ranks? ([0-9]+, )*2([^0-9]|$)"))) << e.what();
+            // Over tcp a survivor's write to the dead rank can hold the endpoint it shares with the live peer
+            // (FI_EAGAIN): that survivor's error may then name the live peer (docs/failures.md). The other survivor,
+            // and every survivor over shm, names rank 2.
+            const bool namesVictim = std::regex_search(e.message(), std::regex("ranks? ([0-9]+, )*2([^0-9]|$)"));
+            const bool heldBehindVictim =
+                provider == "tcp" && (e.message().find("FI_EAGAIN") != std::string::npos ||
+                                      e.message().find("peer dead or stalled") != std::string::npos);
+            EXPECT_TRUE(namesVictim || heldBehindVictim) << e.what();
             const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
             EXPECT_LT(sec, 3 * kTimeoutMs / 1000.0 + 3.0) << "the error took too long: " << e.what();
             std::printf("rank %d: raised after %.0f ms: %s\n", rank, sec * 1e3, e.message().c_str());
