@@ -70,23 +70,28 @@ void AllToAll::setActiveRanks(const std::vector<int32_t>&) { noElasticRanks(*thi
 uint64_t AllToAll::droppedTokens() const { noElasticRanks(*this, "droppedTokens"); }
 
 namespace reference {
+namespace {
+
+// Runs the unmasked reference `run` on a copy of `args` whose indices drop what the mask drops (dispatch and combine
+// alike: only their argument type differs).
+template <typename Args, typename Run>
+void runMasked(const Config& config, const std::vector<Args>& args, const std::vector<int32_t>& activeRanks, Run run) {
+  std::vector<const TensorView*> indices;
+  for (const Args& a : args) indices.push_back(&a.indices);
+  const MaskedIndices masked = maskIndices(config, indices, activeRanks);
+  std::vector<Args> copy = args;
+  for (size_t r = 0; r < copy.size(); ++r) copy[r].indices = masked.views[r];
+  run(config, copy);
+}
+
+}  // namespace
 
 void dispatch(const Config& config, const std::vector<DispatchArgs>& args, const std::vector<int32_t>& activeRanks) {
-  std::vector<const TensorView*> indices;
-  for (const DispatchArgs& a : args) indices.push_back(&a.indices);
-  const MaskedIndices masked = maskIndices(config, indices, activeRanks);
-  std::vector<DispatchArgs> copy = args;
-  for (size_t r = 0; r < copy.size(); ++r) copy[r].indices = masked.views[r];
-  dispatch(config, copy);
+  runMasked(config, args, activeRanks, [](const Config& c, const std::vector<DispatchArgs>& a) { dispatch(c, a); });
 }
 
 void combine(const Config& config, const std::vector<CombineArgs>& args, const std::vector<int32_t>& activeRanks) {
-  std::vector<const TensorView*> indices;
-  for (const CombineArgs& a : args) indices.push_back(&a.indices);
-  const MaskedIndices masked = maskIndices(config, indices, activeRanks);
-  std::vector<CombineArgs> copy = args;
-  for (size_t r = 0; r < copy.size(); ++r) copy[r].indices = masked.views[r];
-  combine(config, copy);
+  runMasked(config, args, activeRanks, [](const Config& c, const std::vector<CombineArgs>& a) { combine(c, a); });
 }
 
 }  // namespace reference
