@@ -13,6 +13,8 @@
 //                            that stops short of its rounds fails
 //   GPU_SOAK_SEED            seed (default 1): the same seed replays the same cases
 //   GPU_SOAK_PAIRS_MAX_WORLD two objects in flight only up to this world size (default 4)
+//   GPU_SOAK_CASE_ROUNDS     most rounds of one case (default 40, at least 8): a case runs 8 to this many rounds on
+//                            its objects, each with new inputs; long cases spend less of the soak creating objects
 // scripts/soak --gpu runs it.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -103,7 +105,8 @@ Scenario randomScenario(uint64_t& st, const std::string& backend, uint32_t W) {
   return s;
 }
 
-SoakCase randomCase(uint64_t& st, const std::string& backend, uint32_t W, uint32_t pairsMaxWorld) {
+SoakCase randomCase(uint64_t& st, const std::string& backend, uint32_t W, uint32_t pairsMaxWorld,
+                    uint32_t caseRounds) {
   SoakCase c;
   const bool pair = W <= pairsMaxWorld && splitmix(st) % 3 == 0;
   for (int i = 0; i < (pair ? 2 : 1); ++i) {
@@ -118,7 +121,7 @@ SoakCase randomCase(uint64_t& st, const std::string& backend, uint32_t W, uint32
     p.bare = !p.graph && splitmix(st) % 2 == 0;
     c.objects.push_back(p);
   }
-  c.rounds = 8 + static_cast<uint32_t>(splitmix(st) % 33);
+  c.rounds = 8 + static_cast<uint32_t>(splitmix(st) % (caseRounds - 7));
   return c;
 }
 
@@ -202,7 +205,7 @@ std::string runCase(const SoakCase& c, const std::string& backend, uint32_t rank
 // Runs the soak of `backend` on `world` ranks for at most `rounds` object-rounds and `seconds`; returns rank 0's
 // counts.
 Counts soak(const std::string& backend, uint32_t world, uint64_t rounds, double seconds, uint64_t seed,
-            uint32_t pairsMaxWorld) {
+            uint32_t pairsMaxWorld, uint32_t caseRounds) {
   char path[] = "/tmp/epcomm-gpu-soak-XXXXXX";
   const int fd = mkstemp(path);
   EXPECT_GE(fd, 0);
@@ -226,7 +229,7 @@ Counts soak(const std::string& backend, uint32_t world, uint64_t rounds, double 
           int32_t go = n.objectRounds < rounds && elapsed() < seconds ? 1 : 0;
           bootstrap.broadcast(&go, sizeof(go), 0);
           if (go == 0) break;
-          const SoakCase c = randomCase(st, backend, world, pairsMaxWorld);
+          const SoakCase c = randomCase(st, backend, world, pairsMaxWorld, caseRounds);
           ++n.cases;
           const std::string err = runCase(c, backend, rank, bootstrap, streams, scratch, n);
           int32_t bad = err.empty() ? 0 : 1;
@@ -288,6 +291,8 @@ TEST(GpuSoak, RandomRoundsAgainstTheReference) {
   const double seconds = static_cast<double>(test::envNumber("GPU_SOAK_SECONDS", 300));
   const uint64_t seed = test::envNumber("GPU_SOAK_SEED", 1);
   const uint32_t pairsMaxWorld = static_cast<uint32_t>(test::envNumber("GPU_SOAK_PAIRS_MAX_WORLD", 4));
+  const uint32_t caseRounds = static_cast<uint32_t>(test::envNumber("GPU_SOAK_CASE_ROUNDS", 40));
+  ASSERT_GE(caseRounds, 8u) << "GPU_SOAK_CASE_ROUNDS must be at least 8";
   std::printf("gpu soak: backends");
   for (const std::string& b : backends) std::printf(" %s", b.c_str());
   std::printf(", worlds");
@@ -304,7 +309,7 @@ TEST(GpuSoak, RandomRoundsAgainstTheReference) {
       const uint64_t share =
           (rounds - std::min(rounds, total.objectRounds) + (worlds.size() - wi) - 1) / (worlds.size() - wi);
       const auto t0 = std::chrono::steady_clock::now();
-      const Counts n = soak(backend, W, share, seconds / worlds.size(), seed, pairsMaxWorld);
+      const Counts n = soak(backend, W, share, seconds / worlds.size(), seed, pairsMaxWorld, caseRounds);
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       std::printf(
           "gpu soak %s W=%u: %llu object-rounds in %llu cases (%llu with two objects in flight, %llu graph replays, "
