@@ -153,8 +153,9 @@ __global__ void __launch_bounds__(kSumThreads) combineRecvKernel(const CombineRe
   __shared__ int ok;
   const uint32_t round = *seqWord(st, kSeqCombineRecv);
   if (threadIdx.x == 0) {
-    ok = !halted(st) &&
+    ok = !deviceHalted(st) &&
          waitArrival(st, 1, &st.mailbox->combineArrived, round + 1, kPhaseCombineArrival, static_cast<int32_t>(me));
+    if (!ok) haltObject(st);
     if (ok && blockIdx.x == 0) stamp(st, round, &TraceRound::sumStart);
   }
   __syncthreads();

@@ -234,63 +234,130 @@ __device__ __forceinline__ uint32_t* rowsOf(const DispatchRecvArgs& a, uint32_t 
          (static_cast<uint64_t>(src) * a.sizes.maxSendTokens + j) * a.sizes.maxLocalPerEntry;
 }
 
+// Entry metadata as the rank kernel loads it: the first kMetaWords u32 words at metaOffset ([u32 token][u16 n][u16
+// le[n]]), all loads issued at once; experts beyond kMetaInWords are read one by one (only when min(K, L) > 13).
+constexpr uint32_t kMetaWords = 8;
+constexpr uint32_t kMetaInWords = (kMetaWords * 4 - proxy::kEntryExpertsOffset) / 2;
+static_assert(proxy::kEntryCountOffset == 4 && proxy::kEntryExpertsOffset == 6, "metadata words as decoded below");
+
+__device__ __forceinline__ void loadMeta(const uint8_t* meta, uint32_t words, uint32_t (&mw)[kMetaWords]) {
+#pragma unroll
+  for (uint32_t q = 0; q < kMetaWords; ++q) mw[q] = q < words ? ldVolatileU32(meta + 4 * q) : 0u;
+}
+
+// Checks entry (src, j)'s metadata and writes its local experts and their count into the scratch (rowsOf, which the
+// ranking then turns into rows; entryCountOf). A count or expert out of range is recorded as a corrupt buffer.
+__device__ __forceinline__ void decodeMeta(const DispatchRecvArgs& a, uint32_t src, uint32_t j, const uint8_t* meta,
+                                           const uint32_t (&mw)[kMetaWords]) {
+  const proxy::ProtocolSizes& s = a.sizes;
+  const uint32_t me = s.rank, L = s.numLocalExperts;
+  uint32_t count = mw[1] & 0xffffu;
+  if (count < 1 || count > s.maxLocalPerEntry) {
+    recordError(a.st, kPhaseCorruptEntry, static_cast<int32_t>(me), static_cast<int32_t>(src), j, count, true);
+    count = 0;
+  }
+  uint32_t* rows = rowsOf(a, src, j);
+  auto take = [&](uint32_t i, uint32_t le) {
+    if (le >= L) {
+      recordError(a.st, kPhaseCorruptEntry, static_cast<int32_t>(me), static_cast<int32_t>(src), j, le, true);
+      count = i;
+    } else {
+      rows[i] = le;
+    }
+  };
+#pragma unroll
+  for (uint32_t i = 0; i < kMetaInWords; ++i) {
+    const uint32_t b = proxy::kEntryExpertsOffset + 2 * i;
+    if (i < count) take(i, (mw[b / 4] >> (8 * (b % 4))) & 0xffffu);
+  }
+  for (uint32_t i = kMetaInWords; i < count; ++i) take(i, ldVolatileU16(meta + proxy::kEntryExpertsOffset + 2 * i));
+  *entryCountOf(a, src, j) = count;
+}
+
 // One block per sender src (kRankThreads): waits for the proxy's arrival word (and, through block 0, for the node
-// senders' flags), reads src's entries' metadata, and
-// gives each (entry, local expert) its output row: rows of local expert le are ordered by (sender, token), and an
-// entry's rank among src's entries naming le is its rank among src's tokens of that expert. Block 0 also writes
-// outExpertNumTokens. Counts that disagree with src's head are recorded as a corrupt receive buffer.
+// senders' flags), reads src's entries' metadata, and gives each (entry, local expert) its output row: rows of local
+// expert le are ordered by (sender, token), and an entry's rank among src's entries naming le is its rank among src's
+// tokens of that expert. Block 0 also writes outExpertNumTokens. Counts that disagree with src's head are recorded as
+// a corrupt receive buffer.
+//
+// Host memory is a PCIe round trip away (several us under MPS), so the reads are issued together: one pass in which
+// every thread issues all its loads before using any (its share of the device copy of the tables; le = thread's slot
+// offsets and row base; src's entry count and overflow start; the metadata of the entry j = thread in src's private
+// area, speculatively, before the count is known), then a second pass for entries beyond the private area (overflow)
+// only. Everything after that reads device memory.
 __global__ void __launch_bounds__(kRankThreads) dispatchRankKernel(const DispatchRecvArgs a) {
   const DeviceState& st = a.st;
   const proxy::ProtocolSizes& s = a.sizes;
   const TableGeometry& tg = a.tg;
-  const uint32_t L = s.numLocalExperts, W = s.worldSize, me = s.rank, src = blockIdx.x;
+  const uint32_t L = s.numLocalExperts, W = s.worldSize, me = s.rank, src = blockIdx.x, tid = threadIdx.x;
   __shared__ int ok;
+  __shared__ uint32_t shN, shOverflow;
   const uint32_t round = *seqWord(st, kSeqDispatchRecv);
-  if (threadIdx.x == 0) {
-    ok = !halted(st) &&
+  if (tid == 0) {
+    ok = !deviceHalted(st) &&
          waitArrival(st, 0, &st.mailbox->dispatchArrived, round + 1, kPhaseDispatchArrival, static_cast<int32_t>(me));
+    if (!ok) haltObject(st);
     if (ok && src == 0) stamp(st, round, &TraceRound::unpackStart);
   }
   __syncthreads();
   if (!ok) return;
   const uint32_t* tables = a.ch.tables;
-  {
-    // The device copy of the tables for the kernels after this one: the blocks split the words.
-    uint32_t* copy = reinterpret_cast<uint32_t*>(st.scratch + st.sg.offTables);
-    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < tg.words; i += gridDim.x * blockDim.x) {
-      copy[i] = ldVolatileU32(tables + i);
+  uint32_t* copy = reinterpret_cast<uint32_t*>(st.scratch + st.sg.offTables);  // for the kernels after this one
+  const uint32_t* slotOffset = tables + tg.offSlotOffset;
+  const uint32_t spec = min(s.privateTokens, s.maxSendTokens);  // entries read before their count is known
+  const uint32_t metaWords = min(kMetaWords, (proxy::kEntryExpertsOffset + 2 * s.maxLocalPerEntry + 3) / 4);
+  const uint32_t copyStride = gridDim.x * blockDim.x;
+  const uint32_t passes = max(1u, max(max((L + blockDim.x - 1) / blockDim.x, (spec + blockDim.x - 1) / blockDim.x),
+                                      (tg.words + copyStride - 1) / copyStride));
+  uint32_t myFirst = 0, myNext = 0, myBase = 0;  // le = tid (pass 0)
+  for (uint32_t pass = 0; pass < passes; ++pass) {
+    const uint32_t i = pass * blockDim.x + tid;
+    const uint32_t ci = pass * copyStride + blockIdx.x * blockDim.x + tid;
+    const uint8_t* meta = i < spec ? entryAt(a, src, i, 0) + s.metaOffset : nullptr;  // private: no overflow start
+    uint32_t cv = 0, f = 0, nx = 0, b = 0, lr = 0, nv = 0, ov = 0;
+    uint32_t mw[kMetaWords];
+    // Loads: none of them waits for another.
+    if (ci < tg.words) cv = ldVolatileU32(tables + ci);
+    if (i < L) {
+      f = ldVolatileU32(slotOffset + i * (W + 1) + src);
+      nx = ldVolatileU32(slotOffset + i * (W + 1) + src + 1);
+      b = ldVolatileU32(tables + tg.offOutputRowBase + i);
+      if (src == 0) lr = ldVolatileU32(tables + tg.offLocalRows + i);
     }
-  }
-  uint32_t n = ldVolatileU32(tables + tg.offEntries + src);
-  if (n > s.maxSendTokens) {
-    recordError(st, kPhaseCorruptEntry, static_cast<int32_t>(me), static_cast<int32_t>(src), n, s.maxSendTokens, true);
-    n = 0;
-  }
-  const uint32_t overflowStart = ldVolatileU32(tables + tg.offOverflowStart + src);
-  if (src == 0) {
-    for (uint32_t le = threadIdx.x; le < L; le += blockDim.x) {
-      a.outNumTokens[le] = static_cast<int32_t>(ldVolatileU32(tables + tg.offLocalRows + le));
+    if (meta != nullptr) loadMeta(meta, metaWords, mw);
+    if (pass == 0 && tid == 0) {
+      nv = ldVolatileU32(tables + tg.offEntries + src);
+      ov = ldVolatileU32(tables + tg.offOverflowStart + src);
     }
-  }
-  // Metadata into the scratch: one pass of parallel loads over host memory.
-  for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
-    const uint8_t* meta = entryAt(a, src, j, overflowStart) + s.metaOffset;
-    uint32_t count = ldVolatileU16(meta + proxy::kEntryCountOffset);
-    if (count < 1 || count > s.maxLocalPerEntry) {
-      recordError(st, kPhaseCorruptEntry, static_cast<int32_t>(me), static_cast<int32_t>(src), j, count, true);
-      count = 0;
-    }
-    uint32_t* rows = rowsOf(a, src, j);
-    for (uint32_t i = 0; i < count; ++i) {
-      uint32_t le = ldVolatileU16(meta + proxy::kEntryExpertsOffset + 2 * i);
-      if (le >= L) {
-        recordError(st, kPhaseCorruptEntry, static_cast<int32_t>(me), static_cast<int32_t>(src), j, le, true);
-        le = 0;
-        count = i;
+    // Uses.
+    if (ci < tg.words) copy[ci] = cv;
+    if (i < L) {
+      if (pass == 0) {
+        myFirst = f;
+        myNext = nx;
+        myBase = b;
       }
-      rows[i] = le;
+      if (src == 0) a.outNumTokens[i] = static_cast<int32_t>(lr);
     }
-    *entryCountOf(a, src, j) = count;
+    if (pass == 0 && tid == 0) {
+      if (nv > s.maxSendTokens) {
+        recordError(st, kPhaseCorruptEntry, static_cast<int32_t>(me), static_cast<int32_t>(src), nv, s.maxSendTokens,
+                    true);
+        nv = 0;
+      }
+      shN = nv;
+      shOverflow = ov;
+    }
+    __syncthreads();
+    if (meta != nullptr && i < shN) decodeMeta(a, src, i, meta, mw);
+  }
+  const uint32_t n = shN;
+  // Entries beyond the private area (in the overflow region, for a fabric sender): a second pass of loads.
+  for (uint32_t j = spec + tid; j < n; j += blockDim.x) {
+    const uint8_t* meta = entryAt(a, src, j, shOverflow) + s.metaOffset;
+    uint32_t mw[kMetaWords];
+    loadMeta(meta, metaWords, mw);
+    decodeMeta(a, src, j, meta, mw);
   }
   __syncthreads();
   uint32_t* hist = reinterpret_cast<uint32_t*>(st.scratch + st.sg.offRecvHist) + src * kRankWarps * L;
@@ -307,10 +374,14 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRankKernel(const Dispatc
     __syncwarp();
   }
   __syncthreads();
-  for (uint32_t le = threadIdx.x; le < L; le += blockDim.x) {
-    const uint32_t first = ldVolatileU32(tables + tg.offSlotOffset + le * (W + 1) + src);
-    const uint32_t next = ldVolatileU32(tables + tg.offSlotOffset + le * (W + 1) + src + 1);
-    uint32_t run = ldVolatileU32(tables + tg.offOutputRowBase + le) + first;
+  for (uint32_t le = tid; le < L; le += blockDim.x) {
+    uint32_t first = myFirst, next = myNext, base = myBase;
+    if (le >= blockDim.x) {  // L > kRankThreads: not kept from the first pass
+      first = ldVolatileU32(slotOffset + le * (W + 1) + src);
+      next = ldVolatileU32(slotOffset + le * (W + 1) + src + 1);
+      base = ldVolatileU32(tables + tg.offOutputRowBase + le);
+    }
+    uint32_t run = base + first;
     uint32_t c[kRankWarps];  // every load first: one memory round trip, not kRankWarps dependent ones
 #pragma unroll
     for (uint32_t v = 0; v < kRankWarps; ++v) c[v] = hist[v * L + le];
@@ -319,7 +390,7 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRankKernel(const Dispatc
       hist[v * L + le] = run;
       run += c[v];
     }
-    const uint32_t got = run - first - ldVolatileU32(tables + tg.offOutputRowBase + le);
+    const uint32_t got = run - first - base;
     if (got != next - first) {
       recordError(st, kPhaseCorruptEntry, static_cast<int32_t>(me), static_cast<int32_t>(src),
                   (static_cast<int64_t>(le) << 32) | got, next - first, true);

@@ -83,12 +83,19 @@ __device__ __forceinline__ void stReleaseGpu64(uint64_t* p, uint64_t v) {
 __device__ __forceinline__ bool haltedAt(const int32_t* claim, const Mailbox* mailbox) {
   return (ldVolatileI32(claim) & 2) != 0 || ldVolatileI32(&mailbox->abort) != 0;
 }
-__device__ __forceinline__ bool halted(const DeviceState& st) { return haltedAt(claimWord(st), st.mailbox); }
-// Every thread of the block calls it (it synchronises the block): thread 0 reads the words, the block shares the
-// answer. The mailbox is host memory, and a PCIe read per thread of a full grid costs milliseconds.
+// Whether kernels must stop, from device memory alone (no PCIe round trip): a kernel halted the object. The proxy's
+// abort word reaches the device through the waiting kernels: every wait that gives up (a timeout, the abort word, a
+// halt) halts the object (haltObject), so a kernel that did not wait sees it here. A send kernel that follows only
+// completed waits may run: the buffer-reuse argument (docs/proxy.md) rests on those waits, not on the proxy's health.
+__device__ __forceinline__ bool deviceHalted(const DeviceState& st) { return (ldVolatileI32(claimWord(st)) & 2) != 0; }
+// Halts the object without recording an error: a wait that gave up (the error is the proxy's, or the block that
+// recorded the timeout has it).
+__device__ __forceinline__ void haltObject(const DeviceState& st) { atomicOr(claimWord(st), 2); }
+// Every thread of the block calls it (it synchronises the block): thread 0 reads the claim word, the block shares
+// the answer.
 __device__ __forceinline__ bool blockHalted(const DeviceState& st) {
   __shared__ int stop;
-  if (threadIdx.x == 0) stop = halted(st) ? 1 : 0;
+  if (threadIdx.x == 0) stop = deviceHalted(st) ? 1 : 0;
   __syncthreads();
   return stop != 0;
 }
