@@ -12,11 +12,11 @@ namespace {
 
 // ---- Combine send ------------------------------------------------------------------------------------------------
 
-// Many blocks: row i of the combine send buffer (piece (g, le) = the rows of group g's senders for local expert le,
-// pieces in (g, le) order) is a copy of expertY's row of that expert. Group g's rows go to the send buffer when a rank
-// of g is reached over the fabric, and into the region of every node rank of g (st.lg), at sendDest[g], where the
-// channel would have written them. The last block raises this rank's combine flag in every node rank's region, then
-// signals combineReady.
+// Many blocks, one warp per (row, kChunkBytes of it): row i of the combine send buffer (piece (g, le) = the rows of
+// group g's senders for local expert le, pieces in (g, le) order) is a copy of expertY's row of that expert. Group g's
+// rows go to the send buffer when a rank of g is reached over the fabric, and into the region of every node rank of g
+// (st.lg), at sendDest[g], where the channel would have written them. The last block raises this rank's combine flag in
+// every node rank's region, then signals combineReady.
 __global__ void __launch_bounds__(kCopyThreads) combineSendKernel(const CombineSendArgs a) {
   const DeviceState& st = a.st;
   extern __shared__ uint32_t smem[];  // sendCum[G * L + 1], srcStart[G * L], sendDest[G]
@@ -47,9 +47,12 @@ __global__ void __launch_bounds__(kCopyThreads) combineSendKernel(const CombineS
   const bool vec = rowBytes % 16 == 0;
   const uint32_t lane = laneId();
   const uint32_t warps = gridDim.x * (blockDim.x / 32);
-  const uint32_t total = sendCum[pieces];
+  const uint64_t chunks = vec ? (rowBytes + kChunkBytes - 1) / kChunkBytes : 1;
+  const uint64_t total = sendCum[pieces] * chunks;
   uint32_t piece = 0;
-  for (uint32_t i = blockIdx.x + gridDim.x * warpId(); i < total; i += warps) {
+  for (uint64_t u = blockIdx.x + gridDim.x * warpId(); u < total; u += warps) {
+    const uint32_t i = static_cast<uint32_t>(u / chunks);
+    const uint64_t chunk = u % chunks;
     while (sendCum[piece + 1] <= i) ++piece;
     const uint64_t r = srcStart[piece] + (i - sendCum[piece]);
     const int64_t off = batched
@@ -63,17 +66,27 @@ __global__ void __launch_bounds__(kCopyThreads) combineSendKernel(const CombineS
     uint8_t* dst = fabric ? a.ch.combineSend + static_cast<uint64_t>(i) * rowBytes : nullptr;
     const uint64_t localOff = lg.offRows + (static_cast<uint64_t>(sendDest[g]) + i - sendCum[g * L]) * rowBytes;
     if (vec) {
-      for (uint64_t b = lane * 16ull; b < rowBytes; b += 32 * 16) {
-        const int4 v = *reinterpret_cast<const int4*>(src + b);
-        if (dst != nullptr) st16(dst + b, v);
-        for (uint32_t q = nodeBegin; q < nodeEnd; ++q) st16(localRegion(st, q) + localOff + b, v);
+      // One chunk of the row: every load before the first store.
+      const uint64_t base = chunk * kChunkBytes + lane * 16ull;
+      int4 v[kCopyBatch];
+#pragma unroll
+      for (uint32_t q = 0; q < kCopyBatch; ++q) {
+        const uint64_t b = base + q * 32 * 16;
+        if (b < rowBytes) v[q] = *reinterpret_cast<const int4*>(src + b);
+      }
+#pragma unroll
+      for (uint32_t q = 0; q < kCopyBatch; ++q) {
+        const uint64_t b = base + q * 32 * 16;
+        if (b >= rowBytes) continue;
+        if (dst != nullptr) st16(dst + b, v[q]);
+        for (uint32_t p = nodeBegin; p < nodeEnd; ++p) st16(localRegion(st, p) + localOff + b, v[q]);
       }
     } else {
       for (uint64_t b = lane * 2ull; b < rowBytes; b += 32 * 2) {
         const uint16_t v = *reinterpret_cast<const uint16_t*>(src + b);
         if (dst != nullptr) *reinterpret_cast<uint16_t*>(dst + b) = v;
-        for (uint32_t q = nodeBegin; q < nodeEnd; ++q) {
-          *reinterpret_cast<uint16_t*>(localRegion(st, q) + localOff + b) = v;
+        for (uint32_t p = nodeBegin; p < nodeEnd; ++p) {
+          *reinterpret_cast<uint16_t*>(localRegion(st, p) + localOff + b) = v;
         }
       }
     }
@@ -136,10 +149,10 @@ __device__ __forceinline__ void unpack16(const int4 v, float* f) {
 }
 
 // Many blocks: waits for the proxy's arrival word (and the node owners' flags); then for each token t < bound (one
-// block at a time) and each element, out = (accumulate ? out : 0) + sum_k w[t,k] * y(t,k) in fp32, k ascending, each
-// product and sum rounded separately (no FMA: the reference's operations), rounded once to the output type. y(t,k) is
-// the row of (t, k) in its owner's message: rowBase[d][e] (the owner's rows of e from the group's senders before d) +
-// the row the dispatch gave (t, k) among its sender's rows of e (the route kernel's pos).
+// block per slice of the row at a time) and each element, out = (accumulate ? out : 0) + sum_k w[t,k] * y(t,k) in fp32,
+// k ascending, each product and sum rounded separately (no FMA: the reference's operations), rounded once to the output
+// type. y(t,k) is the row of (t, k) in its owner's message: rowBase[d][e] (the owner's rows of e from the group's
+// senders before d) + the row the dispatch gave (t, k) among its sender's rows of e (the route kernel's pos).
 constexpr uint32_t kTermBatch = 8;
 
 template <int kY, int kOut>
@@ -179,7 +192,14 @@ __global__ void __launch_bounds__(kSumThreads) combineRecvKernel(const CombineRe
     return decodeIndex(a.indices, a.indexKind,
                        static_cast<int64_t>(t) * a.indexStrides[0] + static_cast<int64_t>(k) * a.indexStrides[1]);
   };
-  for (uint32_t t = blockIdx.x; t < bound; t += gridDim.x) {
+  // Work items (token, slice of the row): a slice is what the block sums with one 16-byte load per thread and term,
+  // so a small round spreads over many blocks and every block's loads of a slice are in flight together.
+  const uint32_t sliceElems = vec ? blockDim.x * kVec : H;
+  const uint32_t slices = (H + sliceElems - 1) / sliceElems;
+  for (uint64_t item = blockIdx.x; item < static_cast<uint64_t>(bound) * slices; item += gridDim.x) {
+    const uint32_t t = static_cast<uint32_t>(item / slices);
+    const uint32_t h0Begin = static_cast<uint32_t>(item % slices) * sliceElems;
+    const uint32_t h0End = min(H, h0Begin + sliceElems);
     for (uint32_t k = threadIdx.x; k < K; k += blockDim.x) {
       const uint8_t* rowPtr = nullptr;
       int64_t e = load(t, k);
@@ -218,7 +238,7 @@ __global__ void __launch_bounds__(kSumThreads) combineRecvKernel(const CombineRe
     __syncthreads();
     uint8_t* out = a.out + static_cast<int64_t>(t) * a.outRowStride * itemOf<kOut>();
     if (vec) {
-      for (uint32_t h0 = threadIdx.x * kVec; h0 < H; h0 += blockDim.x * kVec) {
+      for (uint32_t h0 = h0Begin + threadIdx.x * kVec; h0 < h0End; h0 += blockDim.x * kVec) {
         float acc[kVec];
 #pragma unroll
         for (uint32_t i = 0; i < kVec; ++i)

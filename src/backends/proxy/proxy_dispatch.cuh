@@ -143,9 +143,11 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRouteKernel(const Dispat
   if (threadIdx.x == 0) __threadfence_system();  // the heads (host memory) before the pack kernel's signal
 }
 
-// Many blocks: one warp per own token packs its entries ([payload][scales][u32 token][u16 n][u16 le[n]]) into the
-// destinations' send slots, or, for a node peer (st.lg), into that peer's region (this rank's sender area, by entry
-// index); the last block raises this rank's dispatch flag in every node rank's region, then signals dispatchReady.
+// Many blocks: one warp per (own token, kChunkBytes of its payload) loads that chunk of x once (and, for the first
+// chunk, the scales) and stores it into every entry of the token ([payload][scales][u32 token][u16 n][u16 le[n]]): in
+// the destinations' send slots, or, for a node peer (st.lg), in that peer's region (this rank's sender area, by entry
+// index). The first chunk's warp writes the scales and the metadata. The last block raises this rank's dispatch flag
+// in every node rank's region, then signals dispatchReady.
 __global__ void __launch_bounds__(kCopyThreads) dispatchPackKernel(const DispatchSendArgs a) {
   const DeviceState& st = a.st;
   if (blockHalted(st)) return;
@@ -159,44 +161,75 @@ __global__ void __launch_bounds__(kCopyThreads) dispatchPackKernel(const Dispatc
   const uint32_t lane = laneId();
   const uint32_t warps = gridDim.x * (blockDim.x / 32);
   const uint32_t scaleWords = static_cast<uint32_t>(s.scaleBytes / 4);
-  for (uint32_t i = blockIdx.x + gridDim.x * warpId(); i < n; i += warps) {
+  const uint32_t chunks = static_cast<uint32_t>((s.payloadBytes + kChunkBytes - 1) / kChunkBytes);
+  for (uint32_t u = blockIdx.x + gridDim.x * warpId(); u < n * chunks; u += warps) {
+    const uint32_t i = u / chunks, chunk = u % chunks;
     const uint32_t t = me % D + i * D;
     const uint8_t* xRow = a.x + static_cast<int64_t>(t) * a.xRowStrideBytes;
-    for (uint32_t k = 0; k < K; ++k) {
-      const uint32_t ent = entryOf[t * K + k];
-      if (ent == ~0u) continue;  // warp-uniform
-      const uint32_t owner = static_cast<uint32_t>(experts[t * K + k]) / L;
-      uint8_t* entry =
-          (st.lg.has(owner) ? localRegion(st, owner) + st.lg.offEntries + (me - st.lg.first) * st.lg.senderBytes
-                            : a.ch.send + s.sendSlotOffset(owner) + s.headBytes) +
-          static_cast<uint64_t>(ent) * s.entryBytes;
-      for (uint64_t off = lane * 16ull; off < s.payloadBytes; off += 32 * 16) {
-        st16(entry + off, *reinterpret_cast<const int4*>(xRow + off));
-      }
-      for (uint32_t j = lane; j < scaleWords; j += 32) {
-        const uint32_t v =
-            *reinterpret_cast<const uint32_t*>(a.xScale + 4 * (static_cast<int64_t>(t) * a.xScaleStrides[0] +
-                                                               static_cast<int64_t>(j) * a.xScaleStrides[1]));
-        reinterpret_cast<uint32_t*>(entry + s.payloadBytes)[j] = v;
-      }
-      // Metadata: this owner's local experts in k order (from k on: earlier k have other owners).
-      uint8_t* meta = entry + s.metaOffset;
-      uint32_t count = 0;
-      for (uint32_t k0 = k; k0 < K; k0 += 32) {
-        const uint32_t kk = k0 + lane;
-        const int32_t e = kk < K ? experts[t * K + kk] : -1;
-        const bool mine = e >= 0 && static_cast<uint32_t>(e) / L == owner;
-        const uint32_t mask = __ballot_sync(0xffffffffu, mine);
-        if (mine) {
-          const uint32_t at = count + __popc(mask & ((1u << lane) - 1));
-          reinterpret_cast<uint16_t*>(meta + proxy::kEntryExpertsOffset)[at] =
-              static_cast<uint16_t>(static_cast<uint32_t>(e) % L);
+    const uint64_t base = chunk * kChunkBytes + lane * 16ull;
+    // Every load before the first store.
+    int4 v[kCopyBatch];
+#pragma unroll
+    for (uint32_t q = 0; q < kCopyBatch; ++q) {
+      const uint64_t off = base + q * 32 * 16;
+      if (off < s.payloadBytes) v[q] = *reinterpret_cast<const int4*>(xRow + off);
+    }
+    auto scaleAt = [&](uint32_t c) {
+      return *reinterpret_cast<const uint32_t*>(
+          a.xScale + 4 * (static_cast<int64_t>(t) * a.xScaleStrides[0] + static_cast<int64_t>(c) * a.xScaleStrides[1]));
+    };
+    uint32_t sv[kScaleBatch];
+#pragma unroll
+    for (uint32_t q = 0; q < kScaleBatch; ++q) {
+      const uint32_t c = lane + 32 * q;
+      if (chunk == 0 && c < scaleWords) sv[q] = scaleAt(c);
+    }
+    for (uint32_t k0 = 0; k0 < K; k0 += 32) {
+      // Lane k holds (t, k0 + k)'s expert and entry index; the warp walks the positions that own an entry.
+      const uint32_t kk = k0 + lane;
+      const int32_t myE = kk < K ? experts[t * K + kk] : -1;
+      const uint32_t myEnt = kk < K ? entryOf[t * K + kk] : ~0u;
+      for (uint32_t todo = __ballot_sync(0xffffffffu, myEnt != ~0u); todo != 0; todo &= todo - 1) {
+        const uint32_t from = __ffs(todo) - 1;
+        const uint32_t k = k0 + from;
+        const uint32_t ent = __shfl_sync(0xffffffffu, myEnt, from);
+        const uint32_t owner = static_cast<uint32_t>(__shfl_sync(0xffffffffu, myE, from)) / L;
+        uint8_t* entry =
+            (st.lg.has(owner) ? localRegion(st, owner) + st.lg.offEntries + (me - st.lg.first) * st.lg.senderBytes
+                              : a.ch.send + s.sendSlotOffset(owner) + s.headBytes) +
+            static_cast<uint64_t>(ent) * s.entryBytes;
+#pragma unroll
+        for (uint32_t q = 0; q < kCopyBatch; ++q) {
+          const uint64_t off = base + q * 32 * 16;
+          if (off < s.payloadBytes) st16(entry + off, v[q]);
         }
-        count += __popc(mask);
-      }
-      if (lane == 0) {
-        *reinterpret_cast<uint32_t*>(meta + proxy::kEntryTokenOffset) = t;
-        *reinterpret_cast<uint16_t*>(meta + proxy::kEntryCountOffset) = static_cast<uint16_t>(count);
+        if (chunk != 0) continue;
+        uint32_t* scale = reinterpret_cast<uint32_t*>(entry + s.payloadBytes);
+#pragma unroll
+        for (uint32_t q = 0; q < kScaleBatch; ++q) {
+          const uint32_t c = lane + 32 * q;
+          if (c < scaleWords) scale[c] = sv[q];
+        }
+        for (uint32_t c = lane + 32 * kScaleBatch; c < scaleWords; c += 32) scale[c] = scaleAt(c);
+        // Metadata: this owner's local experts in k order (from k on: earlier k have other owners).
+        uint8_t* meta = entry + s.metaOffset;
+        uint32_t count = 0;
+        for (uint32_t m0 = k; m0 < K; m0 += 32) {
+          const uint32_t mk = m0 + lane;
+          const int32_t e = mk < K ? experts[t * K + mk] : -1;
+          const bool mine = e >= 0 && static_cast<uint32_t>(e) / L == owner;
+          const uint32_t mask = __ballot_sync(0xffffffffu, mine);
+          if (mine) {
+            const uint32_t at = count + __popc(mask & ((1u << lane) - 1));
+            reinterpret_cast<uint16_t*>(meta + proxy::kEntryExpertsOffset)[at] =
+                static_cast<uint16_t>(static_cast<uint32_t>(e) % L);
+          }
+          count += __popc(mask);
+        }
+        if (lane == 0) {
+          *reinterpret_cast<uint32_t*>(meta + proxy::kEntryTokenOffset) = t;
+          *reinterpret_cast<uint16_t*>(meta + proxy::kEntryCountOffset) = static_cast<uint16_t>(count);
+        }
       }
     }
   }
@@ -406,61 +439,73 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRankKernel(const Dispatc
   lastBlock(st, kSeqDispatchRecv, [&] { *seqWord(st, kSeqDispatchRecv) = round + 1; });
 }
 
-constexpr uint32_t kCopyBatch = 4;
-
-// Many blocks: one warp per received entry copies its payload and scales from host memory (fabric senders) or this
-// rank's region (node senders) into each of its rows.
+// Many blocks: one warp per (received entry, kChunkBytes of its payload) copies that chunk from host memory (fabric
+// senders) or device memory (node senders; this rank's own entries) into each of the entry's rows; the first chunk's
+// warp copies the scales too. Each warp issues all its loads before its first store: one round trip per work item.
 __global__ void __launch_bounds__(kCopyThreads) dispatchCopyKernel(const DispatchRecvArgs a) {
   const DeviceState& st = a.st;
-  extern __shared__ uint32_t entryStart[];  // [W + 1]
+  extern __shared__ uint32_t entryStart[];  // [W + 1], then overflowStart[W]
   const proxy::ProtocolSizes& s = a.sizes;
   const TableGeometry& tg = a.tg;
   const uint32_t W = s.worldSize;
   if (blockHalted(st)) return;  // the rank kernel gave up: the tables are not this round's
+  uint32_t* overflowStart = entryStart + W + 1;
   const uint32_t* tables = deviceTables(st);
-  for (uint32_t i = threadIdx.x; i <= W; i += blockDim.x) entryStart[i] = tables[tg.offEntryStart + i];
+  for (uint32_t i = threadIdx.x; i <= W; i += blockDim.x) {
+    entryStart[i] = tables[tg.offEntryStart + i];
+    if (i < W) overflowStart[i] = tables[tg.offOverflowStart + i];
+  }
   __syncthreads();
   const bool batched = s.layout == Layout::kBatched;
   const uint64_t R = s.batchedRowsPerExpert;
   const uint32_t scaleWords = static_cast<uint32_t>(s.scaleBytes / 4);
   const uint32_t lane = laneId();
   const uint32_t warps = gridDim.x * (blockDim.x / 32);
-  const uint32_t total = entryStart[W];
+  const uint32_t chunks = static_cast<uint32_t>((s.payloadBytes + kChunkBytes - 1) / kChunkBytes);
+  const uint32_t total = entryStart[W] * chunks;
   uint32_t src = 0;
+  auto rowAt = [&](uint64_t r, int64_t& e, int64_t& rr) {
+    e = batched ? static_cast<int64_t>(r / R) : 0;
+    rr = batched ? static_cast<int64_t>(r % R) : static_cast<int64_t>(r);
+  };
   for (uint32_t u = blockIdx.x + gridDim.x * warpId(); u < total; u += warps) {
-    while (entryStart[src + 1] <= u) ++src;  // items ascend per warp: the sender only moves forward
-    const uint32_t j = u - entryStart[src];
-    const uint8_t* entry = entryAt(a, src, j, tables[tg.offOverflowStart + src]);
+    const uint32_t item = u / chunks, chunk = u % chunks;
+    while (entryStart[src + 1] <= item) ++src;  // items ascend per warp: the sender only moves forward
+    const uint32_t j = item - entryStart[src];
+    const uint8_t* entry = entryAt(a, src, j, overflowStart[src]);
+    const uint64_t base = chunk * kChunkBytes + lane * 16ull;
+    int4 v[kCopyBatch];
+#pragma unroll
+    for (uint32_t q = 0; q < kCopyBatch; ++q) {
+      const uint64_t off = base + q * 32 * 16;
+      if (off < s.payloadBytes) v[q] = ldVolatile16(entry + off);
+    }
+    uint32_t sv[kScaleBatch];
+#pragma unroll
+    for (uint32_t q = 0; q < kScaleBatch; ++q) {
+      const uint32_t c = lane + 32 * q;
+      if (chunk == 0 && c < scaleWords) sv[q] = ldVolatileU32(entry + s.payloadBytes + 4 * c);
+    }
     const uint32_t count = *entryCountOf(a, src, j);
     const uint32_t* rows = rowsOf(a, src, j);
-    // kCopyBatch loads per lane in flight before their stores (the entry may be a PCIe round trip away).
-    for (uint64_t base = lane * 16ull; base < s.payloadBytes; base += kCopyBatch * 32 * 16) {
-      int4 v[kCopyBatch];
+    for (uint32_t i = 0; i < count; ++i) {
+      int64_t e, rr;
+      rowAt(rows[i], e, rr);
+      uint8_t* row = a.outX + e * a.outExpertStrideBytes + rr * a.outRowStrideBytes;
 #pragma unroll
       for (uint32_t q = 0; q < kCopyBatch; ++q) {
         const uint64_t off = base + q * 32 * 16;
-        if (off < s.payloadBytes) v[q] = ldVolatile16(entry + off);
+        if (off < s.payloadBytes) st16(row + off, v[q]);
       }
-      for (uint32_t i = 0; i < count; ++i) {
-        const uint64_t r = rows[i];
-        const int64_t e = batched ? static_cast<int64_t>(r / R) : 0;
-        const int64_t rr = batched ? static_cast<int64_t>(r % R) : static_cast<int64_t>(r);
-        uint8_t* row = a.outX + e * a.outExpertStrideBytes + rr * a.outRowStrideBytes;
+      if (chunk != 0 || scaleWords == 0) continue;
+      uint32_t* scale = reinterpret_cast<uint32_t*>(a.outScale) + e * a.outScaleStrides[0] + rr * a.outScaleStrides[1];
 #pragma unroll
-        for (uint32_t q = 0; q < kCopyBatch; ++q) {
-          const uint64_t off = base + q * 32 * 16;
-          if (off < s.payloadBytes) st16(row + off, v[q]);
-        }
+      for (uint32_t q = 0; q < kScaleBatch; ++q) {
+        const uint32_t c = lane + 32 * q;
+        if (c < scaleWords) scale[static_cast<int64_t>(c) * a.outScaleStrides[2]] = sv[q];
       }
-    }
-    for (uint32_t c = lane; c < scaleWords; c += 32) {
-      const uint32_t v = ldVolatileU32(entry + s.payloadBytes + 4 * c);
-      for (uint32_t i = 0; i < count; ++i) {
-        const uint64_t r = rows[i];
-        const int64_t e = batched ? static_cast<int64_t>(r / R) : 0;
-        const int64_t rr = batched ? static_cast<int64_t>(r % R) : static_cast<int64_t>(r);
-        reinterpret_cast<uint32_t*>(a.outScale)[e * a.outScaleStrides[0] + rr * a.outScaleStrides[1] +
-                                                static_cast<int64_t>(c) * a.outScaleStrides[2]] = v;
+      for (uint32_t c = lane + 32 * kScaleBatch; c < scaleWords; c += 32) {  // more than 4 x 32 scale words
+        scale[static_cast<int64_t>(c) * a.outScaleStrides[2]] = ldVolatileU32(entry + s.payloadBytes + 4 * c);
       }
     }
   }

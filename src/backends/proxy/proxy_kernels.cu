@@ -59,6 +59,9 @@ uint32_t blocksFor(uint64_t items, uint32_t threads, uint32_t blocks) {
   return static_cast<uint32_t>(std::max<uint64_t>(1, std::min<uint64_t>(blocks, need)));
 }
 
+// Work items of kChunkBytes in a row of `bytes`.
+uint64_t chunksOf(uint64_t bytes) { return std::max<uint64_t>(1, (bytes + kChunkBytes - 1) / kChunkBytes); }
+
 }  // namespace
 
 int launchDispatchSend(const DispatchSendArgs& a, uint32_t blocks, void* stream) {
@@ -67,8 +70,8 @@ int launchDispatchSend(const DispatchSendArgs& a, uint32_t blocks, void* stream)
   // One warp per own token of the call (at most m of them).
   const uint32_t D = a.sizes.dpSize;
   const uint64_t own = (static_cast<uint64_t>(a.m) + D - 1) / D;
-  return launch(reinterpret_cast<const void*>(&dispatchPackKernel), blocksFor(own, kCopyThreads, blocks), kCopyThreads,
-                0, &a, stream);
+  return launch(reinterpret_cast<const void*>(&dispatchPackKernel),
+                blocksFor(own * chunksOf(a.sizes.payloadBytes), kCopyThreads, blocks), kCopyThreads, 0, &a, stream);
 }
 
 int launchDispatchRecv(const DispatchRecvArgs& a, uint32_t blocks, void* stream) {
@@ -76,15 +79,18 @@ int launchDispatchRecv(const DispatchRecvArgs& a, uint32_t blocks, void* stream)
   if (rc != 0) return rc;
   // One warp per received entry: at most maxSendTokens from each sender.
   const uint64_t entries = static_cast<uint64_t>(a.sizes.worldSize) * a.sizes.maxSendTokens;
-  return launch(reinterpret_cast<const void*>(&dispatchCopyKernel), blocksFor(entries, kCopyThreads, blocks),
-                kCopyThreads, copySharedBytes(a.sizes), &a, stream);
+  return launch(reinterpret_cast<const void*>(&dispatchCopyKernel),
+                blocksFor(entries * chunksOf(a.sizes.payloadBytes), kCopyThreads, blocks), kCopyThreads,
+                copySharedBytes(a.sizes), &a, stream);
 }
 
 int launchCombineSend(const CombineSendArgs& a, uint32_t blocks, void* stream) {
-  // One warp per row this rank received in the dispatch: at most combineSendRows.
+  // One warp per chunk of a row this rank received in the dispatch: at most combineSendRows rows.
+  const uint64_t rowBytes = static_cast<uint64_t>(a.hidden) * a.itemBytes;
+  const uint64_t chunks = rowBytes % 16 == 0 ? chunksOf(rowBytes) : 1;
   return launch(reinterpret_cast<const void*>(&combineSendKernel),
-                blocksFor(a.sizes.combineSendRows, kCopyThreads, blocks), kCopyThreads, combineSendSharedBytes(a.sizes),
-                &a, stream);
+                blocksFor(a.sizes.combineSendRows * chunks, kCopyThreads, blocks), kCopyThreads,
+                combineSendSharedBytes(a.sizes), &a, stream);
 }
 
 uint64_t combineRecvSharedBytes(const proxy::ProtocolSizes& s) {
@@ -105,8 +111,14 @@ int launchCombineRecv(const CombineRecvArgs& a, uint32_t blocks, void* stream) {
       fn = combineRecvFor<kTypeF32>(a.outType);
       break;
   }
-  // One block per token of the call (at most m).
-  return launch(fn, std::max(1u, std::min(blocks, a.m)), kSumThreads, combineRecvSharedBytes(a.sizes), &a, stream);
+  // One block per (token, slice of kSumThreads 16-byte loads) of the call (at most m tokens).
+  const uint64_t item = a.yType == kTypeF32 ? 4 : 2;
+  const uint64_t rowBytes = a.hidden * item;
+  const uint64_t sliceBytes = 16ull * kSumThreads;
+  const uint64_t slices = rowBytes % 16 == 0 ? (rowBytes + sliceBytes - 1) / sliceBytes : 1;
+  const uint64_t items = std::max<uint64_t>(1, static_cast<uint64_t>(a.m) * slices);
+  return launch(fn, static_cast<uint32_t>(std::min<uint64_t>(blocks, items)), kSumThreads,
+                combineRecvSharedBytes(a.sizes), &a, stream);
 }
 
 int configureKernels(uint32_t bytes) {

@@ -322,11 +322,11 @@ int launchCombineRecv(const CombineRecvArgs& a, uint32_t blocks, void* stream);
 int launchClockProbe(uint64_t* cell, uint32_t n, void* stream);
 /// Dynamic shared memory of the combine receive kernel (rowBase, recvStart, the token's terms).
 uint64_t combineRecvSharedBytes(const proxy::ProtocolSizes& sizes);
-/// Dynamic shared memory of the combine send kernel (piece starts) and of the copy kernel (entry starts).
+/// Dynamic shared memory of the combine send kernel (piece starts) and of the copy kernel (entry and overflow starts).
 inline uint64_t combineSendSharedBytes(const proxy::ProtocolSizes& s) {
   return 4ull * (2ull * s.numDpGroups() * s.numLocalExperts + 1 + s.numDpGroups());
 }
-inline uint64_t copySharedBytes(const proxy::ProtocolSizes& s) { return 4ull * (s.worldSize + 1); }
+inline uint64_t copySharedBytes(const proxy::ProtocolSizes& s) { return 4ull * (2ull * s.worldSize + 1); }
 /// Raises the dynamic shared-memory limit of the kernels that use it to `bytes` (needed above 48 KiB); cudaError_t.
 int configureKernels(uint32_t bytes);
 

@@ -46,6 +46,12 @@ constexpr uint32_t kRankThreads = kRankWarps * 32;
 constexpr uint32_t kCopyThreads = 512;
 constexpr uint32_t kSumThreads = 256;
 
+// Work items of the copying kernels: one warp moves kChunkBytes of a row (kCopyBatch 16-byte loads per lane, all in
+// flight before the first store), and the first chunk's warp also up to kScaleBatch scale words per lane.
+constexpr uint32_t kCopyBatch = 4;
+constexpr uint64_t kChunkBytes = kCopyBatch * 32 * 16;
+constexpr uint32_t kScaleBatch = 4;
+
 // ---- Object state ------------------------------------------------------------------------------------------------
 
 __device__ __forceinline__ uint32_t* seqWord(const DeviceState& st, int i) {
