@@ -92,10 +92,9 @@ void writeTables(const proxy::RoundLayout& lay, const TableGeometry& tg, uint32_
     }
   }
   t[tg.offSendCum + G * L] = at;
-  // Own rows: in the send buffer at the group's piece, or (NVLink path) in this rank's region where a peer's would be.
+  // Own rows: in the scratch's own rows from row 0, or (NVLink path) in this rank's region where a peer's would be.
   for (uint32_t p = 0; p < W; ++p) {
-    t[tg.offRecvStart + p] =
-        static_cast<uint32_t>(p == me && !ownRowsInRegion ? lay.combineSendStart(g) : lay.combineRecvStart(p));
+    t[tg.offRecvStart + p] = p == me && !ownRowsInRegion ? 0u : static_cast<uint32_t>(lay.combineRecvStart(p));
   }
   for (uint32_t gg = 0; gg < G; ++gg) t[tg.offSendDest + gg] = static_cast<uint32_t>(lay.combineRecvStartIn(gg, me));
   for (uint32_t e = 0; e < E; ++e) {

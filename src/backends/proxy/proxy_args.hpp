@@ -29,8 +29,8 @@ CombineRecvArgs combineRecvArgs(const KernelContext& ctx, const CombineArgs& a, 
 
 /// Writes the tables of the round described by `layout` (this rank's view) into `tables` (tg.words u32, see
 /// TableGeometry). `ownRowsInRegion`: the NVLink path is on, so this rank's own combine rows are in its region (at
-/// the combine receive offsets), not in its send buffer. Throws kInternal when the layout's combine offsets disagree
-/// with the pieces the kernels pack.
+/// the combine receive offsets), not in the scratch's own rows (ScratchGeometry::offOwnRows, from row 0). Throws
+/// kInternal when the layout's combine offsets disagree with the pieces the kernels pack.
 void writeTables(const proxy::RoundLayout& layout, const TableGeometry& tg, uint32_t rank, bool ownRowsInRegion,
                  uint32_t* tables);
 

@@ -61,9 +61,14 @@ __global__ void __launch_bounds__(kCopyThreads) combineSendKernel(const CombineS
     const uint8_t* src = a.y + off * a.itemBytes;
     // Group g's ranks [g D, g D + D): those on this node get the row in their region, the send buffer serves the rest.
     const uint32_t g = piece / L;
+    // Without the NVLink path this rank's own group's rows also go to the scratch's own rows (device memory), which
+    // this rank reads; the send buffer then serves the group's other ranks only (D > 1).
     const uint32_t nodeBegin = max(g * D, lg.first), nodeEnd = min(g * D + D, lg.first + lg.size);
-    const bool fabric = lg.size == 0 || nodeBegin != g * D || nodeEnd != g * D + D;
+    const bool own = lg.size == 0 && g == me / D;
+    const bool fabric = lg.size == 0 ? (!own || D > 1) : (nodeBegin != g * D || nodeEnd != g * D + D);
     uint8_t* dst = fabric ? a.ch.combineSend + static_cast<uint64_t>(i) * rowBytes : nullptr;
+    uint8_t* ownDst =
+        own ? st.scratch + st.sg.offOwnRows + static_cast<uint64_t>(i - sendCum[g * L]) * rowBytes : nullptr;
     const uint64_t localOff = lg.offRows + (static_cast<uint64_t>(sendDest[g]) + i - sendCum[g * L]) * rowBytes;
     if (vec) {
       // One chunk of the row: every load before the first store.
@@ -79,12 +84,14 @@ __global__ void __launch_bounds__(kCopyThreads) combineSendKernel(const CombineS
         const uint64_t b = base + q * 32 * 16;
         if (b >= rowBytes) continue;
         if (dst != nullptr) st16(dst + b, v[q]);
+        if (ownDst != nullptr) st16(ownDst + b, v[q]);
         for (uint32_t p = nodeBegin; p < nodeEnd; ++p) st16(localRegion(st, p) + localOff + b, v[q]);
       }
     } else {
       for (uint64_t b = lane * 2ull; b < rowBytes; b += 32 * 2) {
         const uint16_t v = *reinterpret_cast<const uint16_t*>(src + b);
         if (dst != nullptr) *reinterpret_cast<uint16_t*>(dst + b) = v;
+        if (ownDst != nullptr) *reinterpret_cast<uint16_t*>(ownDst + b) = v;
         for (uint32_t p = nodeBegin; p < nodeEnd; ++p) {
           *reinterpret_cast<uint16_t*>(localRegion(st, p) + localOff + b) = v;
         }
@@ -223,10 +230,11 @@ __global__ void __launch_bounds__(kSumThreads) combineRecvKernel(const CombineRe
         } else {
           const uint32_t owner = static_cast<uint32_t>(e) / L;
           const uint64_t row = recvStart[owner] + rowBase[(t % D) * E + e] + static_cast<uint32_t>(v);
-          // A node owner's rows (this rank's own too, when the NVLink path is on) are in this rank's region.
-          rowPtr =
-              (st.lg.has(owner) ? st.localMine + st.lg.offRows : (owner == me ? a.ch.combineSend : a.ch.combineRecv)) +
-              row * rowBytes;
+          // A node owner's rows (this rank's own too, when the NVLink path is on) are in this rank's region; without
+          // it, this rank's own rows are in the scratch (recvStart[me] = 0), device memory either way.
+          rowPtr = (st.lg.has(owner) ? st.localMine + st.lg.offRows
+                                     : (owner == me ? st.scratch + st.sg.offOwnRows : a.ch.combineRecv)) +
+                   row * rowBytes;
         }
       }
       termRow[k] = rowPtr;

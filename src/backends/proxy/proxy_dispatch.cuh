@@ -146,8 +146,9 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRouteKernel(const Dispat
 // Many blocks: one warp per (own token, kChunkBytes of its payload) loads that chunk of x once (and, for the first
 // chunk, the scales) and stores it into every entry of the token ([payload][scales][u32 token][u16 n][u16 le[n]]): in
 // the destinations' send slots, or, for a node peer (st.lg), in that peer's region (this rank's sender area, by entry
-// index). The first chunk's warp writes the scales and the metadata. The last block raises this rank's dispatch flag
-// in every node rank's region, then signals dispatchReady.
+// index), or, for this rank itself without the NVLink path, in the scratch's own entries (device memory). The first
+// chunk's warp writes the scales and the metadata. The last block raises this rank's dispatch flag in every node rank's
+// region, then signals dispatchReady.
 __global__ void __launch_bounds__(kCopyThreads) dispatchPackKernel(const DispatchSendArgs a) {
   const DeviceState& st = a.st;
   if (blockHalted(st)) return;
@@ -196,7 +197,8 @@ __global__ void __launch_bounds__(kCopyThreads) dispatchPackKernel(const Dispatc
         const uint32_t owner = static_cast<uint32_t>(__shfl_sync(0xffffffffu, myE, from)) / L;
         uint8_t* entry =
             (st.lg.has(owner) ? localRegion(st, owner) + st.lg.offEntries + (me - st.lg.first) * st.lg.senderBytes
-                              : a.ch.send + s.sendSlotOffset(owner) + s.headBytes) +
+                              : (owner == me ? st.scratch + st.sg.offOwnEntries
+                                             : a.ch.send + s.sendSlotOffset(owner) + s.headBytes)) +
             static_cast<uint64_t>(ent) * s.entryBytes;
 #pragma unroll
         for (uint32_t q = 0; q < kCopyBatch; ++q) {
@@ -251,9 +253,8 @@ __device__ __forceinline__ const uint8_t* entryAt(const DispatchRecvArgs& a, uin
   if (lg.has(src)) {
     return a.st.localMine + lg.offEntries + (src - lg.first) * lg.senderBytes + static_cast<uint64_t>(j) * s.entryBytes;
   }
-  // This rank's own entries are read in place from its send slot (no loopback), as the host backend does.
-  if (src == s.rank)
-    return a.ch.send + s.sendSlotOffset(s.rank) + s.headBytes + static_cast<uint64_t>(j) * s.entryBytes;
+  // This rank's own entries are in device memory (the pack kernel put them there; no loopback, no PCIe).
+  if (src == s.rank) return a.st.scratch + a.st.sg.offOwnEntries + static_cast<uint64_t>(j) * s.entryBytes;
   return a.ch.recv + proxy::recvEntryOffset(s, src, j, overflowStart);
 }
 

@@ -80,7 +80,8 @@ struct Mailbox {
 ///   outputRowBase[L]      first row of le in outExpertX / expertY
 ///   localRows[L]          rows of le this round (outExpertNumTokens)
 ///   sendCum[G * L + 1]    combine send buffer: first row of piece (g, le) (rows of group g's senders for le)
-///   recvStart[W]          combine: first row of owner p's message (p == rank: in the send buffer, at group g's rows)
+///   recvStart[W]          combine: first row of owner p's message (p == rank: 0, in the scratch's own rows, or with
+///                         the NVLink path at its combine receive offset in this rank's region)
 ///   rowBase[D][E]         combine: row of the first token of group sender d for expert e in owner e / L's message
 ///   sendDest[G]           combine: where this rank's message lands in a combine receive buffer of group g (rows)
 struct TableGeometry {
@@ -182,6 +183,11 @@ struct ScratchGeometry {
   uint64_t offTables;    ///< u32 [TableGeometry::words]: the rank kernel's device copy of the round's tables, which
                          ///< the copy and combine kernels read (one PCIe read per word per round, not per block)
   uint64_t offLocal;     ///< pointer [localSize]: the node ranks' regions as this process maps them (LocalGeometry)
+  /// Without the NVLink path (localSize 0), this rank's own entries and combine rows stay in device memory (with it,
+  /// they are in its region): they never cross PCIe. The pack kernel writes own entries here (by entry index), the
+  /// combine send kernel own rows (the message to this rank's group, from row 0), and the receive kernels read them.
+  uint64_t offOwnEntries;  ///< [maxSendTokens entries]
+  uint64_t offOwnRows;     ///< [maxNumTokens * min(K, L) rows][combineRowBytesMax]
   uint64_t bytes;
 };
 inline ScratchGeometry scratchGeometry(const proxy::ProtocolSizes& s, uint32_t maxNumTokens, uint32_t localSize = 0) {
@@ -220,6 +226,11 @@ inline ScratchGeometry scratchGeometry(const proxy::ProtocolSizes& s, uint32_t m
   at = align(at + 4ull * tableGeometry(s).words);
   g.offLocal = at;
   at = align(at + 8ull * localSize);
+  const bool own = localSize == 0;
+  g.offOwnEntries = at;
+  at = align(at + (own ? static_cast<uint64_t>(s.maxSendTokens) * s.entryBytes : 0));
+  g.offOwnRows = at;
+  at = align(at + (own ? static_cast<uint64_t>(maxNumTokens) * s.maxLocalPerEntry * s.combineRowBytesMax : 0));
   g.bytes = at;
   return g;
 }

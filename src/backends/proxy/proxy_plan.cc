@@ -75,9 +75,17 @@ std::vector<PlannedBuffer> planProxy(const Config& config) {
   add("received rows", "device", sg.offTables - sg.offRowOf,
       "u32 [W][maxSend=" + std::to_string(s.maxSendTokens) + "][min(K, L)=" + std::to_string(s.maxLocalPerEntry) +
           "]: output row of each received entry's experts");
-  add("tables copy", "device", sg.bytes - sg.offTables,
+  add("tables copy", "device", sg.offOwnEntries - sg.offTables,
       "the round tables as the copy and combine kernels read them" +
           std::string(lg.size > 0 ? ", the node ranks' region addresses" : ""));
+  if (lg.size == 0) {
+    add("own entries", "device", sg.offOwnRows - sg.offOwnEntries,
+        std::to_string(s.maxSendTokens) + " entries x " + entry +
+            ": this rank's entries for itself, which never cross PCIe");
+    add("own combine rows", "device", sg.bytes - sg.offOwnRows,
+        std::to_string(static_cast<uint64_t>(config.maxNumTokens) * s.maxLocalPerEntry) + " rows (T x min(K, L)) x " +
+            std::to_string(s.combineRowBytesMax) + " B (fp32): this rank's rows for its own group, read in place");
+  }
   if (envInt("EPCOMM_PROXY_TRACE") != 0) {
     add("trace ring", "host pinned (mapped)", sizeof(gpuproxy::TraceRound) * gpuproxy::kTraceRounds,
         "EPCOMM_PROXY_TRACE: per-round phase stamps");
