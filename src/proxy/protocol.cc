@@ -11,9 +11,9 @@ namespace proxy {
 const char* phaseName(Phase phase) {
   switch (phase) {
     case Phase::kHead:
-      return "head (routing counts + private tokens)";
+      return "head (routing counts)";
     case Phase::kBulk:
-      return "bulk (overflow tokens)";
+      return "bulk (tokens: the private area's, then the overflow)";
     case Phase::kBarrier:
       return "barrier";
     case Phase::kCombineBf16:

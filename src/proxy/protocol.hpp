@@ -18,8 +18,8 @@ namespace proxy {
 /// What an immediate announces. Combine phases carry the dtype of expertY so that a rank can tell a peer that
 /// used another dtype from a peer that is late.
 enum class Phase : uint32_t {
-  kHead = 0,         ///< Routing counts + the first tokens (the sender's private area) have landed.
-  kBulk = 1,         ///< The sender's remaining tokens (its overflow share) have landed.
+  kHead = 0,         ///< Routing counts (the head) have landed.
+  kBulk = 1,         ///< Tokens have landed: the sender's private-area entries, or its overflow share (two writes).
   kBarrier = 2,      ///< The sender finished reading its receive buffer (dispatch followed by dispatch).
   kCombineBf16 = 3,  ///< Combine rows (bf16) from an expert owner have landed.
   kCombineF16 = 4,

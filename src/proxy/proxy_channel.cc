@@ -415,6 +415,13 @@ void ProxyChannel::proxyLoop() {
 void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32_t> senders, const char* what) {
   const int64_t start = nowMs(), startUs = nowUs();
   Backoff backoff;
+  // A sender listed n times owes n immediates; messages and losses name it once.
+  auto named = [&] {
+    std::vector<uint32_t> ranks = senders;
+    std::sort(ranks.begin(), ranks.end());
+    ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+    return ranks;
+  };
   // A peer that combined another dtype would otherwise look like a late one.
   auto checkDtypes = [&] {
     if (phase < Phase::kCombineBf16 || phase > Phase::kCombineF32) return;
@@ -446,15 +453,16 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
     checkNotices(phase < Phase::kCombineBf16 ? 0 : 1, round, senders, currentJobSeq_);
     if (elastic_) checkRecords(what, round);
     checkTransfers(prefix(what, round) + ": transfer failed while waiting for " + phaseName(phase) + " from " +
-                   rankList(senders));
+                   rankList(named()));
     EPCOMM_CHECK(!stop_.load(), kInternal, prefix(what, round) << ": abandoned (object destroyed)");
     if (elastic_) heartbeat(start, senders);
     if (nowMs() - start > timeoutMs_) {
       // Elastic: a peer heard from lately is alive, and waits itself (for a dead rank, whose loss it reports): wait on
       // for it, up to three timeouts in all.
-      const std::vector<uint32_t> silent = elastic_ ? silentPeers(senders) : senders;
+      const std::vector<uint32_t> awaited = named();
+      const std::vector<uint32_t> silent = elastic_ ? silentPeers(awaited) : awaited;
       if (!silent.empty() || nowMs() - start > 3 * timeoutMs_) {
-        const std::vector<uint32_t>& lost = silent.empty() ? senders : silent;
+        const std::vector<uint32_t>& lost = silent.empty() ? awaited : silent;
         std::ostringstream oss;
         oss << prefix(what, round) << ": no " << phaseName(phase) << " from " << rankList(lost) << " after "
             << nowMs() - start << " ms (peer dead or stalled?)";
@@ -476,7 +484,7 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
         } catch (const Error& e) {
           checkDtypes();
           rethrowEngineError(
-              e, prefix(what, round) + ": while waiting for " + phaseName(phase) + " from " + rankList(senders));
+              e, prefix(what, round) + ": while waiting for " + phaseName(phase) + " from " + rankList(named()));
         }
         continue;
       }
@@ -487,7 +495,7 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
       } catch (const Error& e) {
         checkDtypes();  // a wrong-dtype peer is named as such, not as late
         rethrowEngineError(
-            e, prefix(what, round) + ": while waiting for " + phaseName(phase) + " from " + rankList(senders));
+            e, prefix(what, round) + ": while waiting for " + phaseName(phase) + " from " + rankList(named()));
       }
       senders.erase(senders.begin());
     }
@@ -569,130 +577,6 @@ bool ProxyChannel::driveFor(const std::function<bool()>& done, int64_t budgetMs)
   return done();
 }
 
-bool ProxyChannel::noticePending() const {
-  for (uint32_t s : peerRanks_) {
-    if (engine_->immCount(encodeImm(tagId_, Phase::kNotice, 0, s)) > 0) return true;
-  }
-  return false;
-}
-
-void ProxyChannel::sendNotice(uint32_t kind, uint32_t round, bool fatal, ErrorCode code, const std::string& text) {
-  if (peerRanks_.empty() || noticeMr_ == nullptr) return;
-  try {
-    std::lock_guard<std::mutex> lock(noticeMu_);
-    // The outgoing slot is the source of the previous notice's writes: let them leave first (bounded: a write to a
-    // dead peer may never complete, and a notice is best effort).
-    const int64_t deadline = nowMs() + 1000;
-    Backoff backoff;
-    while (noticeDone_.load() < noticePosted_ && nowMs() < deadline) backoff.pause();
-    NoticeWire w{};
-    w.seq = ++noticeSeq_;
-    w.round = round;
-    w.kind = static_cast<uint8_t>(kind);
-    w.fatal = fatal ? 1 : 0;
-    w.code = static_cast<int32_t>(code);
-    w.length = static_cast<uint16_t>(std::min<size_t>(text.size(), sizeof(w.text)));
-    std::memcpy(w.text, text.data(), w.length);
-    w.seqEnd = w.seq;
-    const uint64_t outgoing = static_cast<uint64_t>(world_) * kNoticeBytes;
-    std::memcpy(noticeBuf_.get() + outgoing, &w, sizeof(w));
-    fabric::Completion done;
-    done.counter = &noticeDone_;
-    for (uint32_t p : peerRanks_) {
-      ++noticePosted_;
-      engine_->write(peerIds_[p], *noticeMr_, outgoing, noticeDescs_[p], static_cast<uint64_t>(rank_) * kNoticeBytes,
-                     kNoticeBytes, true, encodeImm(tagId_, Phase::kNotice, 0, rank_), done);
-    }
-  } catch (...) {
-    // Best effort: without the notice the peers still end their waits at the timeout.
-  }
-}
-
-void ProxyChannel::noticeRefused(bool combine, const std::string& message) {
-  // The round the call belonged to: the next dispatch, or the combine of the last one (counted in the epoch; the first
-  // dispatch of an epoch is its round 0).
-  const uint32_t base = epochBase_.load();
-  const uint32_t round = combine ? (round_ > base ? round_ - 1 - base : 0) : (epochFresh_ ? 0 : round_ - base);
-  sendNotice(combine ? 1 : 0, round, false, ErrorCode::kInvalidArgument, message);
-}
-
-void ProxyChannel::noticeAbandoned(const std::string& message) {
-  {
-    // A broken channel told its peers already (its own error), or was told (a peer's notice reached every rank).
-    std::lock_guard<std::mutex> lock(mu_);
-    if (error_) return;
-  }
-  sendNotice(2, round_ - epochBase_.load(), true, ErrorCode::kPeerFailure, message);
-}
-
-void ProxyChannel::checkNotices(uint32_t kind, uint32_t round, const std::vector<uint32_t>& awaited, uint64_t jobSeq) {
-  const uint64_t here = 2ull * round + kind;  // rounds in call order: dispatch r, combine r, dispatch r + 1, ...
-  for (uint32_t s : peerRanks_) {
-    Notice& n = notices_[s];
-    const uint32_t imm = encodeImm(tagId_, Phase::kNotice, 0, s);
-    const uint64_t arrived = engine_->immCount(imm);
-    if (arrived > 0) {
-      engine_->waitImm(imm, arrived, "notice");  // consumes them; returns at once
-      n.unread = true;
-    }
-    if (n.unread) {
-      NoticeWire w;
-      std::memcpy(&w, noticeBuf_.get() + static_cast<uint64_t>(s) * kNoticeBytes, sizeof(w));
-      // A newer notice may be landing over it: read again at the next check.
-      if (w.seq != 0 && w.seq == w.seqEnd && w.seq > n.seq) {
-        n.seq = w.seq;
-        n.round = w.round;
-        n.kind = w.kind;
-        n.fatal = w.fatal != 0;
-        n.code = w.code;
-        n.text.assign(w.text, std::min<size_t>(w.length, sizeof(w.text)));
-        n.unread = false;
-        n.handled = false;
-      }
-    }
-    if (n.seq == 0 || n.handled) continue;
-    const char* call = n.kind == 1 ? "combine" : "dispatch";
-    if (n.fatal && n.kind == 2 && elastic_) {
-      // A rank that left is lost like a dead one: the others mask it and go on.
-      n.handled = true;
-      std::ostringstream oss;
-      oss << prefix(kind == 1 ? "combine" : "dispatch", round) << ": rank " << s << " left: " << n.text;
-      throw PeerLoss{ErrorCode::kPeerFailure, oss.str(), {s}, kNoLostStep, {}};
-    }
-    if (n.fatal) {
-      const std::string what = n.kind == 2 ? std::string(" left") : std::string(" aborted ") + call;
-      n.handled = true;
-      failedByNotice_ = true;
-      // Argument errors were the peer's; here they are a peer failure. A timeout or a transfer error keeps its code.
-      const ErrorCode code = n.code == static_cast<int32_t>(ErrorCode::kInvalidArgument) ||
-                                     n.code == static_cast<int32_t>(ErrorCode::kInvalidConfig)
-                                 ? ErrorCode::kPeerFailure
-                                 : static_cast<ErrorCode>(n.code);
-      std::ostringstream oss;
-      oss << prefix(kind == 1 ? "combine" : "dispatch", round) << ": rank " << s << what << ": " << n.text
-          << "; this object cannot continue: destroy it and create a new one";
-      detail::throwError(code, oss.str(), __FILE__, __LINE__);
-    }
-    const uint64_t theirs = 2ull * n.round + n.kind;
-    if (theirs < here) {
-      n.handled = true;  // about a step this rank finished
-    } else if (theirs == here) {
-      n.handled = true;
-      if (std::find(awaited.begin(), awaited.end(), s) == awaited.end()) continue;  // its data came after all
-      std::ostringstream oss;
-      oss << prefix(call, round) << ": rank " << s << " aborted " << call << ": " << n.text
-          << " (nothing was sent: this call failed, the object is usable; call " << call
-          << " with doSend = false to wait on if rank " << s << " calls again, or destroy the object)";
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        userNotice_ = oss.str();
-        userNoticeSeq_ = jobSeq;
-      }
-      cv_.notify_all();
-    }
-  }
-}
-
 // NOTE: connection-oriented providers (tcp;ofi_rxm, verbs;ofi_rxm) open a pair's connection lazily, on its first
 // transfer. Left alone, every pair's first transfers start from both ends at once (each rank's first dispatch writes to
 // every peer) and rxm has to resolve simultaneous connection requests: its log (FI_LOG_LEVEL=info) showed 16 such
@@ -748,20 +632,15 @@ void ProxyChannel::runDispatch(const Job& job) {
   done.counter = &localDone_;
   markMaskedRanks();
 
-  // 1. Head + private tokens to every peer, at once: nobody waits for the count exchange to start moving data.
+  // 1. The head alone to every peer first: a small write, so the first post returns at once on every provider (tcp
+  //    sends a write inline: head and private tokens together took ~180 us to post at decode T = 128).
   const uint32_t headImm = encodeImm(tagId_, Phase::kHead, round, rank_);
+  const uint32_t bulkImm = encodeImm(tagId_, Phase::kBulk, round, rank_);
   if (!peerRanks_.empty()) {
     std::vector<std::vector<fabric::ScatterSlice>> slices(peerRanks_.size());
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (size_t i = 0; i < peerRanks_.size(); ++i) {
-        const uint32_t p = peerRanks_[i];
-        const uint64_t n = fabricBulk(p) ? std::min(ownEntries[p], s.privateTokens) : 0;
-        const uint64_t length = s.headBytes + n * s.entryBytes;
-        slices[i].push_back(fabric::ScatterSlice{s.sendSlotOffset(p), s.privateSlotOffset(rank_), length});
-        ++stats_.peers[p].headWrites;
-        stats_.peers[p].bytes += length;
-      }
+    for (size_t i = 0; i < peerRanks_.size(); ++i) {
+      slices[i].push_back(
+          fabric::ScatterSlice{s.sendSlotOffset(peerRanks_[i]), s.privateSlotOffset(rank_), s.headBytes});
     }
     if (perPeer()) {
       for (size_t i = 0; i < peerRanks_.size(); ++i) {
@@ -777,8 +656,29 @@ void ProxyChannel::runDispatch(const Job& job) {
     }
   }
   if (onPosted_) onPosted_(Phase::kHead);
+  // 2. Right behind it, the first tokens: to every peer whose bulk goes over the fabric, the entries that fit its
+  //    private area, after the head, immediate bulk(sender). Nobody waits for the count exchange to move data.
+  for (uint32_t p : peerRanks_) {
+    const uint64_t n = fabricBulk(p) ? std::min(ownEntries[p], s.privateTokens) : 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.peers[p].headWrites;  // one head message per round: the counts, and its private tokens when any
+      stats_.peers[p].bytes += s.headBytes + n * s.entryBytes;
+    }
+    if (n == 0) continue;
+    const uint64_t srcOffset = s.sendSlotOffset(p) + s.headBytes;
+    const uint64_t dstOffset = s.privateSlotOffset(rank_) + s.headBytes;
+    if (perPeer()) {
+      if (!(skipWrite_ && skipWrite_(Phase::kBulk, p))) {
+        postToPeer(p, sendMr_.get(), srcOffset, &recvDescs_[p], dstOffset, n * s.entryBytes, bulkImm);
+      }
+    } else {
+      ++localPosted_;
+      engine_->write(peerIds_[p], *sendMr_, srcOffset, recvDescs_[p], dstOffset, n * s.entryBytes, true, bulkImm, done);
+    }
+  }
 
-  // 2. Every peer's head; then everybody knows every count and computes the same offsets.
+  // 3. Every peer's head; then everybody knows every count and computes the same offsets.
   waitFromPeers(Phase::kHead, round, peerRanks_, "dispatch");
   const size_t stride = static_cast<size_t>(s.numExperts) + s.worldSize;
   std::vector<uint32_t> counts(stride * s.worldSize);
@@ -789,9 +689,10 @@ void ProxyChannel::runDispatch(const Job& job) {
   RoundLayout layout;
   layout.build(s, std::move(counts), active_);
 
-  // 3. The rest as one contiguous write per peer, into that peer's overflow region.
+  // 4. The rest as one contiguous write per peer, into that peer's overflow region. A sender whose bulk comes over
+  //    the fabric announces up to two writes with bulk(sender): its private tokens (any) and its overflow (any), each
+  //    known from its head; waitFromPeers counts a rank listed twice twice.
   std::vector<uint32_t> expectBulk;
-  const uint32_t bulkImm = encodeImm(tagId_, Phase::kBulk, round, rank_);
   for (uint32_t p : peerRanks_) {
     if (!fabricBulk(p)) continue;  // its entries go another way; its overflow share stays unused
     const uint64_t n = layout.overflowEntries(rank_, p);
@@ -811,6 +712,7 @@ void ProxyChannel::runDispatch(const Job& job) {
       ++stats_.peers[p].bulkWrites;
       stats_.peers[p].bytes += length;
     }
+    if (std::min(layout.entries(p, rank_), s.privateTokens) > 0) expectBulk.push_back(p);
     if (layout.overflowEntries(p, rank_) > 0) expectBulk.push_back(p);
   }
   waitFromPeers(Phase::kBulk, round, expectBulk, "dispatch");

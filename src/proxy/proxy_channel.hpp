@@ -3,8 +3,9 @@
 // in the host backend, kernels in the GPU proxy backend) only packs and unpacks buffers.
 //
 // Round of dispatch:  device side packs the send slots -> postDispatch() (returns at once) -> the proxy thread
-//   scatters head + private tokens to every peer, waits for every peer's head, computes the RoundLayout, posts the
-//   bulk (one write per peer with overflow), waits for the peers' bulks -> waitDispatch() -> device side unpacks.
+//   scatters the head to every peer, then writes each peer its private tokens, waits for every peer's head, computes
+//   the RoundLayout, posts the overflow (one write per peer with overflow), waits for the peers' tokens ->
+//   waitDispatch() -> device side unpacks.
 // Round of combine:   device side packs rows per DP group -> postCombine() -> one write per peer -> waitCombine()
 //   -> device side forms the weighted sums.
 #pragma once
@@ -71,7 +72,8 @@ struct ChannelOptions {
 
 /// Fabric operations this rank issued to one peer (cumulative). Each write carries its immediate.
 struct PeerOps {
-  uint64_t headWrites = 0;     ///< Dispatch: routing counts + private tokens (one per round).
+  uint64_t headWrites = 0;     ///< Dispatch: routing counts + private tokens (one per round, posted as the head,
+                               ///< then the private tokens when there are any).
   uint64_t bulkWrites = 0;     ///< Dispatch: remaining tokens (one per round when the private area overflowed).
   uint64_t combineWrites = 0;  ///< Combine: expert outputs (one per round; zero bytes = immediate only).
   uint64_t barrierImms = 0;    ///< Immediates of the reuse barrier (dispatch followed by dispatch).
