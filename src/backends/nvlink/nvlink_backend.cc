@@ -21,6 +21,7 @@
 #include "backends/nvlink/nvlink_launch.hpp"
 #include "backends/nvlink/nvlink_layout.hpp"
 #include "backends/nvlink/nvlink_trace.hpp"
+#include "core/abort_board.hpp"
 #include "core/call_order.hpp"
 #include "core/env.hpp"
 #include "core/kernel_args.hpp"
@@ -156,6 +157,8 @@ const char* phaseName(int32_t phase) {
       return "dispatch-send (expert index check)";
     case nvlink::kPhaseRouteSync:
       return "dispatch-send (routing blocks of this rank waiting for each other)";
+    case nvlink::kPhasePeerAbort:
+      return "aborted by a peer";
     default:
       return "unknown";
   }
@@ -203,9 +206,14 @@ class NvlinkAllToAll final : public AllToAll {
     seq_ = nvlink::allocDevice(nvlink::roundCounterBytes(geo_));
     route_ = nvlink::allocDevice(nvlink::routeScratchBytes(geo_));
     rowSlots_ = nvlink::allocDevice(nvlink::rowSlotBytes(geo_));
-    hostError_ = nvlink::allocPinnedMapped(sizeof(nvlink::ErrorRecord));
-    std::memset(hostError_.get(), 0, sizeof(nvlink::ErrorRecord));
-    EPCOMM_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&hostErrorDev_), hostError_.get(), 0));
+    // The error record lives in this rank's slot of the object's abort board, next to the abort word its peers set
+    // when they refuse a call (core/abort_board.hpp).
+    board_.open(bootstrap_);
+    boardMapping_ = nvlink::registerMapped(board_.page(), board_.bytes());
+    hostError_ = reinterpret_cast<nvlink::ErrorRecord*>(board_.slot(config.rank));
+    char* boardDev = nullptr;
+    EPCOMM_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&boardDev), board_.page(), 0));
+    hostErrorDev_ = reinterpret_cast<nvlink::ErrorRecord*>(boardDev + (board_.slot(config.rank) - board_.page()));
     {
       // Zeroed on a stream of the setup's own, which is all it waits for (not the rest of the device).
       const nvlink::Stream setup = nvlink::makeStream();
@@ -295,27 +303,49 @@ class NvlinkAllToAll final : public AllToAll {
 
   void dispatch(const DispatchArgs& a) override {
     checkUsable();
-    const PackedDispatch& p = packedFor(
-        packedDispatch_, a, [&] { packDispatch(a); }, [&] { order_.checkDispatch(a.doSend, a.doRecv); });
-    if (a.doSend) dispatchedM_ = p.m;
+    // A call out of order tells no peer: they are not waiting for it (its step is not theirs).
+    order_.checkDispatch(a.doSend, a.doRecv);
+    const PackedDispatch* packed = nullptr;
+    try {
+      packed = &packedFor(
+          packedDispatch_, a, [&] { packDispatch(a); }, [] {});
+    } catch (const Error& e) {
+      refused(a.doSend, kAbortDispatch, e);
+      throw;
+    }
+    const PackedDispatch& p = *packed;
+    if (a.doSend) {
+      if (board_.raised()) board_.withdraw();  // a refusal of this step, called again with good arguments
+      dispatchedM_ = p.m;
+    }
     nvlink::DispatchKernelArgs k = p.k;
     checkCurrentDevice(device_, config_.rank);
     k.st.trace = trace_.next(nvlink::PhaseTrace::kDispatch, a.doSend, a.doRecv);
     launch(nvlink::dispatchLaunch(k, a.doSend, a.doRecv), &k, sizeof k, a.stream, "dispatch",
            [&] { order_.dispatched(a.doSend, a.doRecv); });
+    if (a.doSend) ++dispatchSends_;
   }
 
   void combine(const CombineArgs& a) override {
     checkUsable();
-    const PackedCombine& p = packedFor(
-        packedCombine_, a, [&] { packCombine(a); }, [&] { order_.checkCombine(a.doSend, a.doRecv); });
-    if (a.doSend) {
-      // The peers wait for the weights of every token this rank dispatched (tagged words, no flag): fewer rows would
-      // leave them waiting until the timeout.
-      EPCOMM_CHECK(p.k.mSend >= dispatchedM_, kInvalidArgument,
-                   "rank " << config_.rank << ": combine weights have " << p.k.mSend
-                           << " rows, fewer than the m = " << dispatchedM_ << " tokens this rank dispatched");
+    order_.checkCombine(a.doSend, a.doRecv);
+    const PackedCombine* packed = nullptr;
+    try {
+      packed = &packedFor(
+          packedCombine_, a, [&] { packCombine(a); }, [] {});
+      if (a.doSend) {
+        // The peers wait for the weights of every token this rank dispatched (tagged words, no flag): fewer rows would
+        // leave them waiting until the timeout.
+        EPCOMM_CHECK(packed->k.mSend >= dispatchedM_, kInvalidArgument,
+                     "rank " << config_.rank << ": combine weights have " << packed->k.mSend
+                             << " rows, fewer than the m = " << dispatchedM_ << " tokens this rank dispatched");
+      }
+    } catch (const Error& e) {
+      refused(a.doSend, kAbortCombine, e);
+      throw;
     }
+    const PackedCombine& p = *packed;
+    if (a.doSend && board_.raised()) board_.withdraw();
     nvlink::CombineKernelArgs k = p.k;
     checkCurrentDevice(device_, config_.rank);
     k.st.trace = trace_.next(nvlink::PhaseTrace::kCombine, a.doSend, a.doRecv);
@@ -371,11 +401,10 @@ class NvlinkAllToAll final : public AllToAll {
                          << " kernel's completion event failed: " << cudaGetErrorString(e));
   }
 
-  // Checks a dispatch call's arguments (then its place in the call order) and packs them into the kernel's, kept in
-  // the call kind's slot.
+  // Checks a dispatch call's arguments (its place in the call order was checked before) and packs them into the
+  // kernel's, kept in the call kind's slot.
   void packDispatch(const DispatchArgs& a) {
     const CheckedDispatch c = checkDispatchArgs(config_, a, MemoryKind::kCuda, device_, /*appliesCast=*/true);
-    order_.checkDispatch(a.doSend, a.doRecv);
     PackedDispatch& p = packedDispatch_[callSlot(a.doSend, a.doRecv)];
     p.valid = false;
     nvlink::DispatchKernelArgs& k = p.k;
@@ -397,7 +426,6 @@ class NvlinkAllToAll final : public AllToAll {
   // depends on that dispatch, not on these arguments).
   void packCombine(const CombineArgs& a) {
     const CheckedCombine c = checkCombineArgs(config_, a, MemoryKind::kCuda, device_);
-    order_.checkCombine(a.doSend, a.doRecv);
     PackedCombine& p = packedCombine_[callSlot(a.doSend, a.doRecv)];
     p.valid = false;
     nvlink::CombineKernelArgs& k = p.k;
@@ -442,15 +470,28 @@ class NvlinkAllToAll final : public AllToAll {
     st.trace = nullptr;
   }
 
-  // Reads the host-mapped error record (no synchronisation). Once an error was seen the object refuses all use.
+  // A call whose send half was refused (`e`, before anything was launched): the peers that wait for its data learn it
+  // at once (their kernels stop and their next call raises `e`'s message) instead of at their timeout.
+  void refused(bool doSend, AbortKind kind, const Error& e) {
+    if (!doSend || config_.worldSize == 1) return;
+    const uint32_t round = kind == kAbortDispatch || dispatchSends_ == 0 ? dispatchSends_ : dispatchSends_ - 1;
+    board_.raise(kind, round, e.code(), e.message());
+  }
+
+  // Reads the host-mapped error record (no synchronisation). Once an error was seen the object refuses all use. The
+  // first error of this rank's own kernels (not a peer's abort) is told to the peers, whose waits then end at once.
   void checkUsable() {
     if (failed_.empty()) {
-      const volatile nvlink::ErrorRecord* r = static_cast<const nvlink::ErrorRecord*>(hostError_.get());
+      const volatile nvlink::ErrorRecord* r = hostError_;
       const int32_t code = r->code;
       if (code == 0) return;
       std::atomic_thread_fence(std::memory_order_acquire);
       std::ostringstream oss;
-      if (code == nvlink::kPhaseBadIndex) {
+      if (code == nvlink::kPhasePeerAbort) {
+        oss << "rank " << r->rank << ": " << board_.describe(static_cast<uint32_t>(r->peer), &failedCode_)
+            << "; this rank's kernels gave their round up (phase " << phaseName(static_cast<int32_t>(r->a))
+            << ", waiting for rank " << r->b << "): this object cannot continue: destroy it and create a new one";
+      } else if (code == nvlink::kPhaseBadIndex) {
         failedCode_ = ErrorCode::kDeviceError;
         oss << "rank " << r->rank << ": expert index " << static_cast<int32_t>(r->b & 0xffffffff) << " at token "
             << r->a << ", position " << (r->b >> 32) << " is outside [-1, " << config_.numExperts << ") (phase "
@@ -462,6 +503,9 @@ class NvlinkAllToAll final : public AllToAll {
             << r->block << ")";
       }
       failed_ = oss.str();
+      if (code != nvlink::kPhasePeerAbort && config_.worldSize > 1) {
+        board_.raise(kAbortFailed, dispatchSends_, failedCode_, failed_);
+      }
     }
     detail::throwError(failedCode_, failed_ + " [this AllToAll object is unusable]", __FILE__, __LINE__);
   }
@@ -470,18 +514,21 @@ class NvlinkAllToAll final : public AllToAll {
   Bootstrap& bootstrap_;
   int device_ = -1;
   Geometry geo_{};
-  nvlink::DeviceMemory region_;     // this rank's peer-mapped region (Geometry)
-  nvlink::DeviceMemory seq_;        // round counters, error claim, work queues (roundCounterBytes)
-  nvlink::DeviceMemory route_;      // routing blocks' arrival counter and histograms (routeScratchBytes)
-  nvlink::DeviceMemory rowSlots_;   // DeviceState::rowSlots
-  nvlink::PinnedMemory hostError_;  // nvlink::ErrorRecord, host-mapped
+  nvlink::DeviceMemory region_;               // this rank's peer-mapped region (Geometry)
+  nvlink::DeviceMemory seq_;                  // round counters, error claim, work queues (roundCounterBytes)
+  nvlink::DeviceMemory route_;                // routing blocks' arrival counter and histograms (routeScratchBytes)
+  nvlink::DeviceMemory rowSlots_;             // DeviceState::rowSlots
+  AbortBoard board_;                          // error record and abort word of every rank of the node (host-mapped)
+  nvlink::HostRegistration boardMapping_;     // board_.page() registered with CUDA, mapped
+  nvlink::ErrorRecord* hostError_ = nullptr;  // this rank's slot of board_
   nvlink::ErrorRecord* hostErrorDev_ = nullptr;
   std::vector<PeerMapping> peerMaps_;  // the other ranks' regions, mapped here
   std::vector<char*> peers_;           // every rank's region by rank (kMaxRanks entries; ours is region_)
   /// Dispatch and combine alternate. A dispatch may not repeat without a combine: its send half would overwrite the
   /// peers' staging and routes while they may still be reading the last round's (the combine is the barrier).
   CallOrder order_{"nvlink", config_.rank, false};
-  uint32_t dispatchedM_ = 0;  // m of the last dispatch send half (combine's weights must cover it)
+  uint32_t dispatchedM_ = 0;    // m of the last dispatch send half (combine's weights must cover it)
+  uint32_t dispatchSends_ = 0;  // dispatch send halves launched (the round of the next one)
   /// The last call of each kind (callSlot) and what its arguments were checked and packed into: an engine calls with
   /// the same buffers every step, and a repeat then skips the checks and the packing (host time inside an eager
   /// call, which delays the kernel's start: docs/nvlink.md).
@@ -541,7 +588,8 @@ std::vector<PlannedBuffer> planNvlink(const Config& config) {
       "i32 [routing blocks=" + std::to_string(g.routeBlocks) + "][E] + arrival counter");
   add("dispatch rows for the combine", "device", nvlink::rowSlotBytes(g),
       "u64 [W][Ts][K]: each received routing entry's expert and row");
-  add("error record", "host pinned (mapped)", sizeof(nvlink::ErrorRecord), "written by kernels, read by the host");
+  add("error record", "host shared (mapped)", kAbortSlotBytes,
+      "written by kernels, read by the host; the abort word peers set (one slot of the node's abort board)");
   return plan;
 }
 

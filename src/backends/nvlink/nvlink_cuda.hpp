@@ -65,6 +65,16 @@ inline PinnedMemory allocPinnedMapped(size_t bytes) {
   return PinnedMemory(p);
 }
 
+/// Host memory registered with CUDA (cudaHostRegister), unregistered on release.
+using HostRegistration = CudaOwner<void*, cudaHostUnregister>;
+
+/// Registers `bytes` at `p` (page-aligned host memory the caller owns, e.g. a shared memory mapping) as pinned and
+/// mapped into the device's address space (cudaHostGetDevicePointer); unregistered when the owner goes. Throws.
+inline HostRegistration registerMapped(void* p, size_t bytes) {
+  EPCOMM_CHECK_CUDA(cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable));
+  return HostRegistration(p);
+}
+
 /// A stream that does not synchronise with the legacy default stream. Throws.
 inline Stream makeStream() {
   cudaStream_t s = nullptr;

@@ -303,6 +303,7 @@ enum ErrorPhase : int32_t {
   kPhaseCombineRecv = 3,   ///< combine-recv waiting for an expert rank's partials
   kPhaseBadIndex = 4,      ///< dispatch-send saw an expert index outside [-1, E)
   kPhaseRouteSync = 5,     ///< dispatch-send's routing blocks waiting for each other (same GPU)
+  kPhasePeerAbort = 6,     ///< a wait saw a peer's abort word (peer = that rank; a = the wait's phase, b = its peer)
 };
 
 }  // namespace nvlink

@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include "backends/nvlink/nvlink_kernels.hpp"
+#include "core/abort_board.hpp"
 #include "epcomm/device/ptx.cuh"
 
 namespace epcomm {
@@ -54,6 +55,12 @@ __device__ __forceinline__ bool abortedAt(const int32_t* claimed) {
 }
 __device__ __forceinline__ bool aborted(const DeviceState& st) { return abortedAt(st.claimed); }
 
+// The abort word next to the error record (core/abort_board.hpp): 0, or s + 1 once peer rank s aborted. Host-mapped:
+// read only in the slow path of a wait.
+__device__ __forceinline__ uint32_t peerAbortOf(const ErrorRecord* hostError) {
+  return *reinterpret_cast<const volatile uint32_t*>(reinterpret_cast<const char*>(hostError) + kAbortWordOffset);
+}
+
 // The first error wins; later ones are dropped (the host reports one and the object refuses further use).
 // Scalar arguments: as a __noinline__ function taking `const DeviceState&` it made every kernel copy its parameters to
 // local memory (ptxas: 440-520 bytes of stack) and decode got ~10 us slower (docs/nvlink.md).
@@ -78,11 +85,20 @@ __device__ __forceinline__ bool waitedReady(uint64_t v, uint64_t want) {
   return kTagged ? (v >> 32) == want : v >= want;
 }
 
+// Records that a peer aborted (its abort word is set), for the wait `who` (as spinSlow's). Out of line: the slow path
+// of every wait stays as small as before.
+__device__ __noinline__ void recordPeerAbort(int32_t* claimed, ErrorRecord* hostError, uint32_t who) {
+  recordErrorAt(claimed, hostError, kPhasePeerAbort, static_cast<int32_t>((who >> 8) & 0xff),
+                static_cast<int32_t>(peerAbortOf(hostError)) - 1, static_cast<int64_t>(who & 0xff),
+                static_cast<int64_t>((who >> 16) & 0xff));
+}
+
 // The spin of spinOn once the word was not ready at the first look: out of line, so every wait inlines one load and
 // a compare, and the loop, its timeout checks and the error record exist once per kernel (code size: instruction
 // fetch bounded the decode dispatch, docs/nvlink.md). Returns the last value seen.
 // Every 256 polls it checks whether another wait failed (then it stops) and whether `patience` x EPCOMM_TIMEOUT_MS
-// passed: then it records (phase, peer, the value or tag seen, want) and stops. Never traps.
+// passed: then it records (phase, peer, the value or tag seen, want) and stops; and whether a peer aborted (its abort
+// word): then it records that and stops. Never traps.
 template <bool kTagged>
 __device__ __noinline__ uint64_t spinSlow(const uint64_t* word, uint64_t want, int32_t* claimed, ErrorRecord* hostError,
                                           uint64_t timeoutNs, uint32_t who) {
@@ -92,6 +108,12 @@ __device__ __noinline__ uint64_t spinSlow(const uint64_t* word, uint64_t want, i
     if (waitedReady<kTagged>(v, want)) return v;
     if ((i & 255) == 0) {
       if (abortedAt(claimed)) return v;
+      // A peer that refused its call (or whose object failed) set this rank's abort word (core/abort_board.hpp):
+      // recorded as (kPhasePeerAbort, the peer; the phase and peer of this wait), and the wait stops.
+      if (peerAbortOf(hostError) != 0) {
+        recordPeerAbort(claimed, hostError, who);
+        return v;
+      }
       if (globalTimerNs() - start > (who >> 24) * timeoutNs) {
         recordErrorAt(claimed, hostError, static_cast<int32_t>(who & 0xff), static_cast<int32_t>((who >> 8) & 0xff),
                       static_cast<int32_t>((who >> 16) & 0xff), static_cast<int64_t>(kTagged ? v >> 32 : v),

@@ -16,6 +16,7 @@
 #include "backends/nvshmem/nvshmem_kernels.hpp"
 #include "backends/nvshmem/nvshmem_layout.hpp"
 #include "backends/nvshmem/nvshmem_runtime.hpp"
+#include "core/abort_board.hpp"
 #include "core/call_order.hpp"
 #include "core/cuda_check.hpp"
 #include "core/env.hpp"
@@ -55,6 +56,8 @@ const char* phaseName(int32_t phase) {
       return "dispatch-send (expert index check)";
     case nvshmem::kPhaseBadIndexCombine:
       return "combine-recv (expert index check)";
+    case nvshmem::kPhasePeerAbort:
+      return "aborted by a peer";
     default:
       return "unknown";
   }
@@ -117,10 +120,16 @@ class NvshmemAllToAll final : public AllToAll {
       EPCOMM_CHECK_CUDA(cudaMemset(sym_, 0, geo_.symmetricBytes));
       EPCOMM_CHECK_CUDA(cudaMalloc(&scratch_, geo_.scratchBytes));
       EPCOMM_CHECK_CUDA(cudaMemset(scratch_, 0, geo_.scratchBytes));
+      // The error record lives in this rank's slot of the object's abort board, next to the abort word its peers on
+      // this node set when they refuse a call (core/abort_board.hpp).
+      board_.open(bootstrap_);
       EPCOMM_CHECK_CUDA(
-          cudaHostAlloc(reinterpret_cast<void**>(&hostError_), sizeof(nvshmem::ErrorRecord), cudaHostAllocMapped));
-      std::memset(hostError_, 0, sizeof(nvshmem::ErrorRecord));
-      EPCOMM_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&hostErrorDev_), hostError_, 0));
+          cudaHostRegister(board_.page(), board_.bytes(), cudaHostRegisterMapped | cudaHostRegisterPortable));
+      boardRegistered_ = true;
+      hostError_ = reinterpret_cast<nvshmem::ErrorRecord*>(board_.slot(config.rank));
+      char* boardDev = nullptr;
+      EPCOMM_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&boardDev), board_.page(), 0));
+      hostErrorDev_ = reinterpret_cast<nvshmem::ErrorRecord*>(boardDev + (board_.slot(config.rank) - board_.page()));
       EPCOMM_CHECK_CUDA(cudaDeviceSynchronize());
       // Nobody may put into a peer's buffers before the peer zeroed them.
       bootstrap_.barrier();
@@ -136,26 +145,48 @@ class NvshmemAllToAll final : public AllToAll {
 
   void dispatch(const DispatchArgs& a) override {
     checkUsable();
-    const PackedDispatch& p = packedFor(
-        packedDispatch_, a, [&] { packDispatch(a); }, [&] { order_.checkDispatch(a.doSend, a.doRecv); });
+    // A call out of order tells no peer: they are not waiting for it (its step is not theirs).
+    order_.checkDispatch(a.doSend, a.doRecv);
+    const PackedDispatch* packed = nullptr;
+    try {
+      packed = &packedFor(
+          packedDispatch_, a, [&] { packDispatch(a); }, [] {});
+    } catch (const Error& e) {
+      refused(a.doSend, kAbortDispatch, e);
+      throw;
+    }
+    const PackedDispatch& p = *packed;
     checkCurrentDevice(device_, config_.rank);
+    if (a.doSend && board_.raised()) board_.withdraw();  // a refusal of this step, called again with good arguments
     checkLaunch(nvshmem::launchDispatch(p.k, a.doSend, a.doRecv, a.stream), "", config_.rank,
                 "nvshmem dispatch kernel");
-    if (a.doSend) dispatchedM_ = p.k.m;
+    if (a.doSend) {
+      dispatchedM_ = p.k.m;
+      ++dispatchSends_;
+    }
     order_.dispatched(a.doSend, a.doRecv);
   }
 
   void combine(const CombineArgs& a) override {
     checkUsable();
-    const PackedCombine& p = packedFor(
-        packedCombine_, a, [&] { packCombine(a); }, [&] { order_.checkCombine(a.doSend, a.doRecv); });
-    checkCurrentDevice(device_, config_.rank);
-    if (a.doSend) {
-      // The peers' combine-send reads the weights of every token this rank dispatched.
-      EPCOMM_CHECK(p.weightRows >= dispatchedM_, kInvalidArgument,
-                   "rank " << config_.rank << ": combine weights have " << p.weightRows
-                           << " rows, fewer than the m = " << dispatchedM_ << " tokens this rank dispatched");
+    order_.checkCombine(a.doSend, a.doRecv);
+    const PackedCombine* packed = nullptr;
+    try {
+      packed = &packedFor(
+          packedCombine_, a, [&] { packCombine(a); }, [] {});
+      if (a.doSend) {
+        // The peers' combine-send reads the weights of every token this rank dispatched.
+        EPCOMM_CHECK(packed->weightRows >= dispatchedM_, kInvalidArgument,
+                     "rank " << config_.rank << ": combine weights have " << packed->weightRows
+                             << " rows, fewer than the m = " << dispatchedM_ << " tokens this rank dispatched");
+      }
+    } catch (const Error& e) {
+      refused(a.doSend, kAbortCombine, e);
+      throw;
     }
+    const PackedCombine& p = *packed;
+    checkCurrentDevice(device_, config_.rank);
+    if (a.doSend && board_.raised()) board_.withdraw();
     checkLaunch(nvshmem::launchCombine(p.k, a.doSend, a.doRecv, a.stream), "", config_.rank, "nvshmem combine kernel");
     order_.combined(a.doSend, a.doRecv);
   }
@@ -187,11 +218,10 @@ class NvshmemAllToAll final : public AllToAll {
     int64_t weightRows = 0;
   };
 
-  // Checks a dispatch's arguments (then its place in the call order) and packs the kernels' arguments into the call
-  // kind's slot (packedFor).
+  // Checks a dispatch's arguments (its place in the call order was checked before) and packs the kernels' arguments
+  // into the call kind's slot (packedFor).
   void packDispatch(const DispatchArgs& a) {
     const CheckedDispatch c = checkDispatchArgs(config_, a, MemoryKind::kCuda, device_);
-    order_.checkDispatch(a.doSend, a.doRecv);
     PackedDispatch& p = packedDispatch_[callSlot(a.doSend, a.doRecv)];
     p.valid = false;
     std::memset(&p.k, 0, sizeof p.k);
@@ -207,7 +237,6 @@ class NvshmemAllToAll final : public AllToAll {
   // The same for a combine (the weights' rows against the last dispatch are checked by the caller on every call).
   void packCombine(const CombineArgs& a) {
     const CheckedCombine c = checkCombineArgs(config_, a, MemoryKind::kCuda, device_);
-    order_.checkCombine(a.doSend, a.doRecv);
     PackedCombine& p = packedCombine_[callSlot(a.doSend, a.doRecv)];
     p.valid = false;
     std::memset(&p.k, 0, sizeof p.k);
@@ -259,13 +288,23 @@ class NvshmemAllToAll final : public AllToAll {
     sym_ = nullptr;
     if (scratch_ != nullptr) cudaFree(scratch_);
     scratch_ = nullptr;
-    if (hostError_ != nullptr) cudaFreeHost(hostError_);
+    if (boardRegistered_) cudaHostUnregister(board_.page());
+    boardRegistered_ = false;
     hostError_ = nullptr;
     if (acquired_) nvshmem::releaseRuntime();
     acquired_ = false;
   }
 
-  // Reads the host-mapped error record (no synchronisation). Once an error was seen the object refuses all use.
+  // A call whose send half was refused (`e`, before anything was launched): the peers of this node that wait for its
+  // data learn it at once (their kernels stop and their next call raises `e`'s message) instead of at their timeout.
+  void refused(bool doSend, AbortKind kind, const Error& e) {
+    if (!doSend || config_.worldSize == 1) return;
+    const uint32_t round = kind == kAbortDispatch || dispatchSends_ == 0 ? dispatchSends_ : dispatchSends_ - 1;
+    board_.raise(kind, round, e.code(), e.message());
+  }
+
+  // Reads the host-mapped error record (no synchronisation). Once an error was seen the object refuses all use. The
+  // first error of this rank's own kernels (not a peer's abort) is told to the peers, whose waits then end at once.
   void checkUsable() {
     if (failed_.empty()) {
       const volatile nvshmem::ErrorRecord* r = hostError_;
@@ -273,7 +312,11 @@ class NvshmemAllToAll final : public AllToAll {
       if (code == 0) return;
       std::atomic_thread_fence(std::memory_order_acquire);
       std::ostringstream oss;
-      if (code == nvshmem::kPhaseBadIndex || code == nvshmem::kPhaseBadIndexCombine) {
+      if (code == nvshmem::kPhasePeerAbort) {
+        oss << "rank " << r->rank << ": " << board_.describe(static_cast<uint32_t>(r->peer), &failedCode_)
+            << "; this rank's kernels gave their round up (phase " << phaseName(static_cast<int32_t>(r->seen))
+            << ", waiting for rank " << r->wanted << "): this object cannot continue: destroy it and create a new one";
+      } else if (code == nvshmem::kPhaseBadIndex || code == nvshmem::kPhaseBadIndexCombine) {
         failedCode_ = ErrorCode::kDeviceError;
         oss << "rank " << r->rank << ": expert index " << static_cast<int32_t>(r->wanted & 0xffffffff) << " at token "
             << r->seen << ", position " << (r->wanted >> 32) << " is outside [-1, " << config_.numExperts << ") (phase "
@@ -286,6 +329,9 @@ class NvshmemAllToAll final : public AllToAll {
         oss << ", block " << r->block << ")";
       }
       failed_ = oss.str();
+      if (code != nvshmem::kPhasePeerAbort && config_.worldSize > 1) {
+        board_.raise(kAbortFailed, dispatchSends_, failedCode_, failed_);
+      }
     }
     detail::throwError(failedCode_, failed_ + " [this AllToAll object is unusable]", __FILE__, __LINE__);
   }
@@ -297,12 +343,15 @@ class NvshmemAllToAll final : public AllToAll {
   bool acquired_ = false;
   char* sym_ = nullptr;
   void* scratch_ = nullptr;
-  nvshmem::ErrorRecord* hostError_ = nullptr;
+  AbortBoard board_;                           // error record and abort word of every rank of the node (host-mapped)
+  bool boardRegistered_ = false;               // board_.page() is registered with CUDA (mapped)
+  nvshmem::ErrorRecord* hostError_ = nullptr;  // this rank's slot of board_
   nvshmem::ErrorRecord* hostErrorDev_ = nullptr;
   /// Dispatch and combine alternate: a dispatch overwrites the peers' regions, which they may read until the combine
   /// (the round's barrier) completed.
   CallOrder order_{"nvshmem", config_.rank, false};
-  uint32_t dispatchedM_ = 0;  // m of the last dispatch send half (combine's weights must cover it)
+  uint32_t dispatchedM_ = 0;    // m of the last dispatch send half (combine's weights must cover it)
+  uint32_t dispatchSends_ = 0;  // dispatch send halves launched (the round of the next one)
   PackedDispatch packedDispatch_[3];
   PackedCombine packedCombine_[3];
   std::string failed_;
@@ -340,7 +389,8 @@ std::vector<PlannedBuffer> planNvshmem(const Config& config) {
   add("partials staging", sym, g.symmetricBytes - g.offCombStage, "f32 [W][Ts][H]: the puts' source");
   add("rows of received entries", "device", g.offSeq - g.offRows, "int2 [W][Ts][K] for the combine");
   add("round counters", "device", g.scratchBytes - g.offSeq, "u64 per work slot of each phase, and a few words");
-  add("error record", "host pinned (mapped)", sizeof(nvshmem::ErrorRecord), "written by kernels, read by the host");
+  add("error record", "host shared (mapped)", kAbortSlotBytes,
+      "written by kernels, read by the host; the abort word peers set (one slot of the node's abort board)");
   add("NVSHMEM heap (first object)", "device (symmetric)", 0,
       "NVSHMEM_SYMMETRIC_SIZE=" + std::to_string(heapBytesFor(g)) +
           " unless set: 2 x the symmetric buffers + 256 MiB, at least 1 GiB (not counted above)");

@@ -10,6 +10,7 @@
 #include <nvshmemx.h>
 
 #include "backends/nvshmem/nvshmem_kernels.hpp"
+#include "core/abort_board.hpp"
 #include "core/layout.hpp"
 #include "epcomm/device/ptx.cuh"
 
@@ -63,9 +64,24 @@ __device__ __forceinline__ void recordBadIndex(const DeviceState& st, const Geom
                 static_cast<int64_t>(k) << 32 | static_cast<uint32_t>(e), -1);
 }
 
+// The abort word next to the error record (core/abort_board.hpp): 0, or s + 1 once peer rank s aborted. Host-mapped:
+// read only in the slow path of a wait.
+__device__ __forceinline__ uint32_t peerAbortOf(const ErrorRecord* hostError) {
+  return *reinterpret_cast<const volatile uint32_t*>(reinterpret_cast<const char*>(hostError) + kAbortWordOffset);
+}
+
+// Records that a peer aborted (its abort word is set) for a wait in `phase` on `peer`: code kPhasePeerAbort, peer the
+// rank that aborted, seen = the wait's phase, wanted = the peer it waited for. Out of line, like the wait's slow path.
+__device__ __noinline__ void recordPeerAbort(int32_t* claimed, ErrorRecord* hostError, int32_t phase, int32_t rank,
+                                             int32_t peer) {
+  recordErrorAt(claimed, hostError, kPhasePeerAbort, rank, static_cast<int32_t>(peerAbortOf(hostError)) - 1, phase,
+                peer, -1);
+}
+
 // The spin of waitFor once the word was not ready at the first look: out of line, so every wait inlines one load and
 // a compare. Every 256 polls it checks whether another wait of this object failed (then it stops) and whether
-// EPCOMM_TIMEOUT_MS passed: then it records (phase, peer, value seen, round wanted, detail) and stops. Never traps.
+// EPCOMM_TIMEOUT_MS passed: then it records (phase, peer, value seen, round wanted, detail) and stops; and whether a
+// peer aborted (its abort word): then it records that and stops. Never traps.
 __device__ __noinline__ bool waitSlow(const uint64_t* word, uint64_t want, int32_t* claimed, ErrorRecord* hostError,
                                       uint64_t timeoutNs, int32_t phase, int32_t rank, int32_t peer, int64_t detail) {
   const uint64_t start = globalTimerNs();
@@ -74,6 +90,11 @@ __device__ __noinline__ bool waitSlow(const uint64_t* word, uint64_t want, int32
     if (v >= want) return true;
     if ((i & 255) == 0) {
       if (*reinterpret_cast<volatile int32_t*>(claimed) != 0) return false;
+      // A peer that refused its call (or whose object failed) set this rank's abort word: the wait stops.
+      if (peerAbortOf(hostError) != 0) {
+        recordPeerAbort(claimed, hostError, phase, rank, peer);
+        return false;
+      }
       if (globalTimerNs() - start > timeoutNs) {
         recordErrorAt(claimed, hostError, phase, rank, peer, static_cast<int64_t>(v), static_cast<int64_t>(want),
                       detail);

@@ -10,8 +10,9 @@
 namespace epcomm {
 namespace nvshmem {
 
-/// Error record in host-mapped pinned memory, written by the first kernel that times out or sees a bad index; the
-/// host reads it (no synchronisation) at the start of the next call. `code` is written last.
+/// Error record in host-mapped memory (this rank's slot of the object's abort board, core/abort_board.hpp), written by
+/// the first kernel that times out or sees a bad index; the host reads it (no synchronisation) at the start of the next
+/// call. `code` is written last.
 struct ErrorRecord {
   int32_t code;    ///< 0 = none, else an ErrorPhase
   int32_t rank;    ///< rank that detected it
@@ -31,6 +32,8 @@ enum ErrorPhase : int32_t {
   kPhaseCombineRecv = 4,      ///< combine-recv waiting for an expert rank's partial of a token
   kPhaseBadIndex = 5,         ///< dispatch-send saw an expert index outside [-1, E)
   kPhaseBadIndexCombine = 6,  ///< combine-recv saw an expert index outside [-1, E)
+  kPhasePeerAbort =
+      7,  ///< a wait saw a peer's abort word (peer = that rank; seen = the wait's phase, wanted = its peer)
 };
 
 /// Per-object device state every kernel receives.
