@@ -75,7 +75,16 @@ struct ProxyAllToAll::Impl {
 
   void release();
   void proxyLoop();
-  bool waitDevice(const uint64_t* word, uint64_t want);
+  // Waits for the device's flag of step `step` (2 x round, + 1 for a combine); meanwhile sends this rank's refusal of
+  // that step (refused()), if any.
+  bool waitDevice(const uint64_t* word, uint64_t want, uint64_t step);
+  // A call whose send half was refused (`e`, nothing launched): the proxy thread tells the peers (noticeRefused) once
+  // it waits for that step, i.e. after the exchanges of every step before it (their round numbers are the channel's).
+  void refused(bool doSend, bool combine, const Error& e);
+  void sendRefusal(uint64_t step);
+  // The first error of this rank's kernels (checkUsable): the proxy thread tells the peers (noticeAbandoned) at its
+  // next wait for the device, so that their waits for this rank end at once.
+  void sendFailure();
   void checkUsable();
   KernelContext context() const;
 
@@ -106,7 +115,14 @@ struct ProxyAllToAll::Impl {
   std::thread thread;
   std::atomic<bool> stop{false};
   std::atomic<uint64_t> roundsServed{0};
-  uint64_t traceRound = 0;  // proxy thread only: the round being stamped
+  uint64_t traceRound = 0;     // proxy thread only: the round being stamped
+  uint64_t dispatchSends = 0;  // dispatch send halves launched (caller's thread)
+  // A refused call for the proxy thread to tell the peers about (under mu): step as in waitDevice.
+  std::atomic<bool> refusalPending{false};
+  uint64_t refusalStep = 0;
+  std::string refusalMessage;
+  std::atomic<bool> failurePending{false};
+  std::string failureMessage;  // under mu
   std::mutex mu;
   std::exception_ptr proxyError;  // the proxy thread's failure, rethrown by the next call
   std::string failed;             // once set, every call throws it
@@ -317,15 +333,24 @@ void ProxyAllToAll::Impl::release() {
 // destruction. NOTE: it spins (pause) for 2 ms after the last activity, then yields until 50 ms, then sleeps 50 us
 // per poll: a decode loop's rounds follow each other within the spin, so the proxy's reaction is a few polls of a
 // host cache line; an idle object costs no core.
-bool ProxyAllToAll::Impl::waitDevice(const uint64_t* word, uint64_t want) {
+bool ProxyAllToAll::Impl::waitDevice(const uint64_t* word, uint64_t want, uint64_t step) {
   const auto start = std::chrono::steady_clock::now();
   for (uint32_t i = 0;; ++i) {
-    if (loadAcquire(word) >= want) return true;
+    if (loadAcquire(word) >= want) {
+      // The step's call was made again with good arguments before its refusal went out: nothing to tell.
+      if (refusalPending.load(std::memory_order_acquire)) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (refusalStep <= step) refusalPending = false;
+      }
+      return true;
+    }
     if (stop.load(std::memory_order_relaxed)) return false;
     if ((i & 255) != 255) {
       cpuRelax();
       continue;
     }
+    if (refusalPending.load(std::memory_order_acquire)) sendRefusal(step);
+    if (failurePending.load(std::memory_order_acquire)) sendFailure();
     const auto idle = std::chrono::steady_clock::now() - start;
     if (idle < std::chrono::milliseconds(2)) continue;
     if (idle < std::chrono::milliseconds(50)) {
@@ -336,18 +361,49 @@ bool ProxyAllToAll::Impl::waitDevice(const uint64_t* word, uint64_t want) {
   }
 }
 
+void ProxyAllToAll::Impl::refused(bool doSend, bool combine, const Error& e) {
+  if (!doSend || config.worldSize == 1) return;
+  std::lock_guard<std::mutex> lock(mu);
+  refusalStep = combine ? 2 * (dispatchSends > 0 ? dispatchSends - 1 : 0) + 1 : 2 * dispatchSends;
+  refusalMessage = e.message();
+  refusalPending = true;
+}
+
+void ProxyAllToAll::Impl::sendRefusal(uint64_t step) {
+  std::string message;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!refusalPending.load() || refusalStep != step) return;  // a later step's: the proxy thread is not there yet
+    refusalPending = false;
+    message.swap(refusalMessage);
+  }
+  // On the exchanging thread, between exchanges: the channel's round is this step's. The peers' exchanges of the step
+  // end at once with the message (their kernels cannot wait on for a repeat: their objects are lost).
+  channel->noticeRefused(step % 2 == 1, message);
+}
+
+void ProxyAllToAll::Impl::sendFailure() {
+  std::string message;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    failurePending = false;
+    message.swap(failureMessage);
+  }
+  channel->noticeAbandoned("its object failed: " + message);
+}
+
 void ProxyAllToAll::Impl::proxyLoop() {
   uint64_t round = 0;
   try {
     for (;;) {
       traceRound = round;
-      if (!waitDevice(&mailbox->dispatchReady, round + 1)) return;
+      if (!waitDevice(&mailbox->dispatchReady, round + 1, 2 * round)) return;
       if (trace != nullptr) trace[round % kTraceRounds].proxySeen = hostNowNs();
       channel->exchangeDispatch();
       writeTables(channel->layout(), tg, config.rank, lg.size > 0, tables);
       if (trace != nullptr) trace[round % kTraceRounds].proxyArrived = hostNowNs();
       storeRelease(&mailbox->dispatchArrived, round + 1);
-      if (!waitDevice(&mailbox->combineReady, round + 1)) return;
+      if (!waitDevice(&mailbox->combineReady, round + 1, 2 * round + 1)) return;
       if (trace != nullptr) trace[round % kTraceRounds].combSeen = hostNowNs();
       const int32_t type = __atomic_load_n(&mailbox->combineType, __ATOMIC_ACQUIRE);
       channel->exchangeCombine(combineDtype(type));
@@ -426,6 +482,11 @@ void ProxyAllToAll::Impl::checkUsable() {
         break;
     }
     failed = oss.str();
+    if (config.worldSize > 1) {
+      std::lock_guard<std::mutex> lock(mu);
+      failureMessage = failed;
+      failurePending = true;
+    }
   }
   detail::throwError(failedCode, failed + " [this AllToAll object is unusable]", __FILE__, __LINE__);
 }
@@ -457,12 +518,20 @@ ProxyAllToAll::~ProxyAllToAll() = default;
 void ProxyAllToAll::dispatch(const DispatchArgs& a) {
   Impl& m = *impl_;
   m.checkUsable();
-  const CheckedDispatch c = checkDispatchArgs(m.config, a, MemoryKind::kCuda, m.device);
+  // A call out of order tells no peer: they are not waiting for it (its step is not theirs).
   m.order.checkDispatch(a.doSend, a.doRecv);
+  CheckedDispatch c;
+  try {
+    c = checkDispatchArgs(m.config, a, MemoryKind::kCuda, m.device);
+  } catch (const Error& e) {
+    m.refused(a.doSend, false, e);
+    throw;
+  }
   checkCurrentDevice(m.device, m.config.rank, "proxy backend ");
   if (a.doSend) {
     const int rc = launchDispatchSend(dispatchSendArgs(m.context(), a, c), m.blocks, a.stream);
     checkLaunch(rc, "proxy backend ", m.config.rank, "dispatch send");
+    ++m.dispatchSends;
   }
   if (a.doRecv) {
     const int rc = launchDispatchRecv(dispatchRecvArgs(m.context(), a, c), m.blocks, a.stream);
@@ -474,8 +543,14 @@ void ProxyAllToAll::dispatch(const DispatchArgs& a) {
 void ProxyAllToAll::combine(const CombineArgs& a) {
   Impl& m = *impl_;
   m.checkUsable();
-  const CheckedCombine c = checkCombineArgs(m.config, a, MemoryKind::kCuda, m.device);
   m.order.checkCombine(a.doSend, a.doRecv);
+  CheckedCombine c;
+  try {
+    c = checkCombineArgs(m.config, a, MemoryKind::kCuda, m.device);
+  } catch (const Error& e) {
+    m.refused(a.doSend, true, e);
+    throw;
+  }
   checkCurrentDevice(m.device, m.config.rank, "proxy backend ");
   if (a.doSend) {
     const CombineSendArgs k = combineSendArgs(m.context(), a, c);
