@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdio>
 #include <functional>
 
 #include "epcomm/error.hpp"
@@ -289,6 +290,98 @@ void badIndexIsDeviceError(Scenario s, int rank, Bootstrap& bootstrap, const std
     EXPECT_NE(e.message().find(std::to_string(bad)), std::string::npos) << e.what();
   }
   EXPECT_THROW(a2a->combine(dev.combine), Error);
+}
+
+void peerRefuses(Scenario s, int rank, Bootstrap& bootstrap, const std::string& backend, Refusal what,
+                 int64_t withinMs) {
+  ASSERT_GE(s.world, 2u);
+  s.ragged = false;  // every rank has T tokens: every rank's data is awaited by every other one
+  useRankDevice(rank);
+  LoadedObject o(s, rank, bootstrap, 31, backend);
+  auto& a2a = o.a2a;
+  DeviceTensors& dev = o.dev;
+  a2a->dispatch(dev.dispatch);
+  a2a->combine(dev.combine);
+  a2a->synchronize();
+  ASSERT_EQ(o.round.check(static_cast<uint32_t>(rank), dev), "") << "round 0";
+  Round r1(s, 32);
+  r1.upload(static_cast<uint32_t>(rank), dev);
+  constexpr int kRefusing = 1;
+  const int32_t badIndex = static_cast<int32_t>(s.experts) + 7;
+  std::string text;  // what the refusing check says
+  switch (what) {
+    case Refusal::kDispatch:
+      text = "more than maxNumTokens";
+      break;
+    case Refusal::kCombine:
+      text = "expertY must be bf16, fp16 or fp32";
+      break;
+    case Refusal::kDeviceIndex:
+      text = "expert index " + std::to_string(badIndex);
+      break;
+  }
+  if (what == Refusal::kCombine) {
+    a2a->dispatch(dev.dispatch);
+    a2a->synchronize();
+  }
+  if (what == Refusal::kDeviceIndex && rank == kRefusing) {
+    ASSERT_EQ(
+        cudaMemcpy(static_cast<int32_t*>(dev.indices.get()) + 2 * s.topK + 1, &badIndex, 4, cudaMemcpyHostToDevice),
+        cudaSuccess);
+    a2a->dispatch(dev.dispatch);
+  }
+  if (rank == kRefusing) {
+    try {
+      if (what == Refusal::kDispatch) {
+        DispatchArgs bad = dev.dispatch;
+        bad.x.shape[0] = s.maxTokens + 1;
+        a2a->dispatch(bad);
+      } else if (what == Refusal::kCombine) {
+        CombineArgs bad = dev.combine;
+        bad.expertY.dtype = DType::kI32;
+        a2a->combine(bad);
+      } else {
+        a2a->synchronize();
+      }
+      ADD_FAILURE() << "rank 1: the bad call was not refused";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), what == Refusal::kDeviceIndex ? ErrorCode::kDeviceError : ErrorCode::kInvalidArgument)
+          << e.what();
+      EXPECT_NE(e.message().find(text), std::string::npos) << e.what();
+    }
+  } else {
+    const auto start = std::chrono::steady_clock::now();
+    bool threw = false;
+    try {
+      if (what == Refusal::kDispatch) {
+        a2a->dispatch(dev.dispatch);
+      } else if (what == Refusal::kCombine) {
+        a2a->combine(dev.combine);
+      } else {
+        // The bad entry is skipped and rank 1's kernels stop at their next wait: the error may come in the dispatch
+        // already, else in the combine.
+        a2a->dispatch(dev.dispatch);
+        a2a->synchronize();
+        a2a->combine(dev.combine);
+      }
+      a2a->synchronize();
+    } catch (const Error& e) {
+      threw = true;
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      std::printf("[ timing ] %s rank %d: error %.1f ms after its call (rank 1 failed): %s\n", backend.c_str(), rank,
+                  ms, e.what());
+      std::fflush(stdout);
+      EXPECT_EQ(e.code(), ErrorCode::kPeerFailure) << e.what();
+      EXPECT_NE(e.message().find("rank 1 "), std::string::npos) << e.what();
+      EXPECT_NE(e.message().find(text), std::string::npos) << e.what();
+      EXPECT_NE(e.message().find("destroy it and create a new one"), std::string::npos) << e.what();
+      EXPECT_LT(ms, static_cast<double>(withinMs)) << "the error came too late: " << e.what();
+    }
+    EXPECT_TRUE(threw) << "no error on rank " << rank << " after rank 1's call was refused";
+    // The object is lost (its kernels gave the round up): every later call says so.
+    EXPECT_THROW(a2a->synchronize(), Error);
+  }
+  bootstrap.barrier();
 }
 
 }  // namespace gputest

@@ -94,5 +94,22 @@ void callsOutOfOrderAreRefused(const Scenario& s, int rank, Bootstrap& bootstrap
 /// and reported as kDeviceError naming the token and the index by the next call; the object then refuses a combine.
 void badIndexIsDeviceError(Scenario s, int rank, Bootstrap& bootstrap, const std::string& backend);
 
+/// What rank 1 does wrong in peerRefuses.
+enum class Refusal {
+  kDispatch,     ///< its dispatch of round 1 has x with one token more than maxNumTokens (a host check refuses it)
+  kCombine,      ///< its combine of round 1 has expertY of dtype int32 (a host check refuses it)
+  kDeviceIndex,  ///< its dispatch of round 1 has an expert index outside [-1, E): its kernel finds it (kDeviceError)
+};
+
+/// Failing together: round 0 completes; in round 1 rank 1 of `s` (s.world >= 2; made not ragged) does `what` wrong and
+/// its call raises its own error (kInvalidArgument naming the check; kDeviceError for the index). Every other rank's
+/// call of that round (dispatch, or combine after a completed dispatch; with kDeviceIndex its dispatch or combine:
+/// rank 1's kernels may stop before they sent everything, and its next call tells the peers) raises within
+/// `withinMs` of the call (the test sets EPCOMM_TIMEOUT_MS = 10000: far longer) an error naming rank 1 and the check's
+/// text, prints the time it took, and the object then refuses further use. Every rank then meets the others at a
+/// barrier.
+void peerRefuses(Scenario s, int rank, Bootstrap& bootstrap, const std::string& backend, Refusal what,
+                 int64_t withinMs = 2000);
+
 }  // namespace gputest
 }  // namespace epcomm

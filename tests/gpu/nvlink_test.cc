@@ -341,6 +341,42 @@ TEST(NvlinkGpu, W2PeerNeverDispatchesTimesOut) {
   peerNeverEnters("dispatch");
 }
 
+// Failing together: in round 1 rank 1's call is refused (a bad argument) or its kernel finds a bad expert index; every
+// other rank's call raises within 2 s naming rank 1 and what was wrong (with EPCOMM_TIMEOUT_MS = 10 s, not its
+// timeout), and its object is then lost.
+void peerFails(int world, gputest::Refusal what) {
+  ScopedEnv env({{"EPCOMM_TIMEOUT_MS", "10000"}});  // read once per process, in the children
+  test::RunResult result = test::runRanks(
+      world,
+      [&](int rank, Bootstrap& bootstrap) {
+        Scenario s = base(static_cast<uint32_t>(world));
+        s.experts = 8 * static_cast<uint32_t>(world);
+        gputest::peerRefuses(s, rank, bootstrap, "nvlink", what);
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+TEST(NvlinkGpu, W2PeerRefusesDispatchFailsTogether) {
+  REQUIRE_GPUS(2);
+  peerFails(2, gputest::Refusal::kDispatch);
+}
+
+TEST(NvlinkGpu, W3PeerRefusesDispatchFailsTogether) {
+  REQUIRE_GPUS(3);
+  peerFails(3, gputest::Refusal::kDispatch);
+}
+
+TEST(NvlinkGpu, W3PeerRefusesCombineFailsTogether) {
+  REQUIRE_GPUS(3);
+  peerFails(3, gputest::Refusal::kCombine);
+}
+
+TEST(NvlinkGpu, W3PeerBadIndexFailsTogether) {
+  REQUIRE_GPUS(3);
+  peerFails(3, gputest::Refusal::kDeviceIndex);
+}
+
 // Threads per block shape the protocol (the routing scan's tables, the work split), so ranks that would use different
 // counts are refused at setup, each naming the knob and both values. Configs that differ (a batch size on either side
 // of 256 tokens) are refused earlier, by the factory's config check; what is left is the knob itself set differently

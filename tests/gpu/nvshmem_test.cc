@@ -429,6 +429,43 @@ TEST(NvshmemGpu, W2PeerNeverEntersCombineTimesOut) {
   peerNeverEnters(2, "combine");
 }
 
+// Failing together: in round 1 rank 1's call is refused (a bad argument) or its kernel finds a bad expert index; every
+// other rank's call raises within 2 s naming rank 1 and what was wrong (with EPCOMM_TIMEOUT_MS = 10 s, not its
+// timeout), and its object is then lost.
+void peerFails(int world, gputest::Refusal what) {
+  OneHostNvshmem nvshmemEnv;
+  ScopedEnv env({{"EPCOMM_TIMEOUT_MS", "10000"}});  // read once per process, in the children
+  test::RunResult result = test::runRanks(
+      world,
+      [&](int rank, Bootstrap& bootstrap) {
+        Scenario s = base(static_cast<uint32_t>(world));
+        s.experts = 8 * static_cast<uint32_t>(world);
+        gputest::peerRefuses(s, rank, bootstrap, "nvshmem", what);
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+TEST(NvshmemGpu, W2PeerRefusesDispatchFailsTogether) {
+  REQUIRE_GPU();
+  peerFails(2, gputest::Refusal::kDispatch);
+}
+
+TEST(NvshmemGpu, W3PeerRefusesDispatchFailsTogether) {
+  REQUIRE_GPU();
+  peerFails(3, gputest::Refusal::kDispatch);
+}
+
+TEST(NvshmemGpu, W3PeerRefusesCombineFailsTogether) {
+  REQUIRE_GPU();
+  peerFails(3, gputest::Refusal::kCombine);
+}
+
+TEST(NvshmemGpu, W3PeerBadIndexFailsTogether) {
+  REQUIRE_GPU();
+  peerFails(3, gputest::Refusal::kDeviceIndex);
+}
+
 // Calls out of order are refused before anything is launched, and the object stays usable.
 TEST(NvshmemGpu, W1CallsOutOfOrderAreRefused) {
   REQUIRE_GPU();

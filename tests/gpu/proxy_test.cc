@@ -194,6 +194,28 @@ TEST_P(ProxyGpu, PeerThatNeverDispatchesTimesOut) {
   EXPECT_TRUE(result.allOk()) << result.summary();
 }
 
+// Failing together: in round 1 rank 1's call is refused (a bad argument) or its kernel finds a bad expert index; every
+// other rank's call raises within 2 s naming rank 1 and what was wrong (with EPCOMM_TIMEOUT_MS = 10 s, not its timeout:
+// rank 1's proxy thread sends a notice, the peers' proxy threads end their exchange and raise the mailbox's abort
+// word), and its object is then lost.
+void peerFails(int world, gputest::Refusal what) {
+  ScopedEnv timeout({{"EPCOMM_TIMEOUT_MS", "10000"}});
+  test::RunResult result = test::runRanks(
+      world,
+      [&](int rank, Bootstrap& bootstrap) {
+        Scenario s = base(static_cast<uint32_t>(world));
+        s.experts = 8 * static_cast<uint32_t>(world);
+        gputest::peerRefuses(s, rank, bootstrap, "proxy", what);
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
+TEST_P(ProxyGpu, W2PeerRefusesDispatchFailsTogether) { peerFails(2, gputest::Refusal::kDispatch); }
+TEST_P(ProxyGpu, W3PeerRefusesDispatchFailsTogether) { peerFails(3, gputest::Refusal::kDispatch); }
+TEST_P(ProxyGpu, W3PeerRefusesCombineFailsTogether) { peerFails(3, gputest::Refusal::kCombine); }
+TEST_P(ProxyGpu, W3PeerBadIndexFailsTogether) { peerFails(3, gputest::Refusal::kDeviceIndex); }
+
 // Rank 2 dies (SIGKILL) after its dispatch send half, mid-round: the survivors raise an error naming it (its silence,
 // kTimeout, or the engine's failed transfer to it, kFabric) within a few timeouts, and stay usable for a clean
 // shutdown.
