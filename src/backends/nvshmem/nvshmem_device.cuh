@@ -85,6 +85,10 @@ __device__ __noinline__ void recordPeerAbort(int32_t* claimed, ErrorRecord* host
 __device__ __noinline__ bool waitSlow(const uint64_t* word, uint64_t want, int32_t* claimed, ErrorRecord* hostError,
                                       uint64_t timeoutNs, int32_t phase, int32_t rank, int32_t peer, int64_t detail) {
   const uint64_t start = globalTimerNs();
+  // A wait for this rank's own signal (its rows for itself) ends when another block of this kernel gets past its own
+  // wait for a peer: given twice the bound, it never times out first, so the error names the peer that is missing
+  // (seen: a survivor of a killed rank named itself, its combine-recv bound running out with the send half's).
+  const uint64_t limitNs = peer == rank ? 2 * timeoutNs : timeoutNs;
   for (uint32_t i = 1;; ++i) {
     const uint64_t v = ldAcquireSys(word);
     if (v >= want) return true;
@@ -95,7 +99,7 @@ __device__ __noinline__ bool waitSlow(const uint64_t* word, uint64_t want, int32
         recordPeerAbort(claimed, hostError, phase, rank, peer);
         return false;
       }
-      if (globalTimerNs() - start > timeoutNs) {
+      if (globalTimerNs() - start > limitNs) {
         recordErrorAt(claimed, hostError, phase, rank, peer, static_cast<int64_t>(v), static_cast<int64_t>(want),
                       detail);
         return false;
