@@ -10,7 +10,6 @@
 #include <rdma/fi_rma.h>
 
 #include <cstring>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -76,6 +75,30 @@ struct Piece {
   Piece* prev = nullptr;  // intrusive list of posted pieces (FiNic::live): no allocation per operation
   Piece* next = nullptr;
   bool isLive = false;
+  Piece* nextQueued = nullptr;  // FIFO of pieces the provider refused (PeerQueue)
+};
+
+// Pieces of one peer that the provider refused with FI_EAGAIN, in post order, retried by progress until their
+// deadline. A piece is either here or in FiNic::live, never both.
+struct PeerQueue {
+  Piece* head = nullptr;
+  Piece* tail = nullptr;
+  void push(Piece* p) {
+    p->nextQueued = nullptr;
+    if (tail != nullptr) {
+      tail->nextQueued = p;
+    } else {
+      head = p;
+    }
+    tail = p;
+  }
+  Piece* pop() {
+    Piece* p = head;
+    head = p->nextQueued;
+    if (head == nullptr) tail = nullptr;
+    p->nextQueued = nullptr;
+    return p;
+  }
 };
 
 // Posted pieces awaiting their completion, as an intrusive list.
@@ -138,7 +161,21 @@ struct FiNic {
   fid_cq* cq = nullptr;
   fid_ep* ep = nullptr;
   SpinThenBlockMutex mu;  // every call on this domain is serialised here (FI_THREAD_DOMAIN)
-  std::deque<Piece*> pending;
+  // NOTE: refused posts wait in a queue per peer, not one per endpoint. An endpoint posts to every peer, and the
+  // provider refuses (FI_EAGAIN) the posts to a peer it cannot take more for: tcp;ofi_rxm every post to a peer whose
+  // connection it saw fail, shm every post to a dead peer once its command queue is full. Behind one FIFO per
+  // endpoint the writes to the live peers waited out that post's deadline, and a survivor's error could name a live
+  // peer. tests/fabric/dead_peer_test.cc (W = 5, a rank killed mid-round, 3 runs of each case): with one FIFO, 4 of 4
+  // cases failed over tcp (1 MiB writes) and 1 of 4 over shm (4 KiB writes); with a queue per peer, none in 20 runs of
+  // each. A post to a peer whose queue is empty goes straight to the provider, whatever the other peers' queues hold.
+  // Cost: one endpoint, CQ and AV still serve every peer, so a W = 64 rank holds numNics endpoints (tcp;ofi_rxm: 7
+  // fds each here, sockets and an epoll, plus one connection per peer), one progress thread and 16 bytes of queue per
+  // peer and endpoint, as W = 2 does. An endpoint per peer would isolate more on shm (below) but costs a 16 MiB
+  // /dev/shm region each (1 GiB per rank at W = 64). What stays shared on shm: its operations that need the receiver's
+  // answer (writes above its inject size, 4 KiB) complete in order per endpoint, so one to a dead peer holds the
+  // completions of those behind it, to any peer, until the engine's timeout fails them (docs/failures.md).
+  std::vector<PeerQueue> queues;  // indexed by PeerId; grown by addPeer under mu
+  size_t queued = 0;              // pieces in all queues
   LiveList live;
   std::vector<Piece*> recvs;
   std::vector<uint8_t> name;

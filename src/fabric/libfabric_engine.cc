@@ -217,14 +217,17 @@ void LibfabricEngine::closeAll() {
     n.ep = nullptr;
     for (Piece* p : n.recvs) freePiece(p);
     n.recvs.clear();
-    for (Piece* p : n.pending) {
-      if (p->op) {
-        p->op->fail("engine closed before the operation was posted");
-        finishOp(p->op);
+    for (PeerQueue& q : n.queues) {
+      while (q.head != nullptr) {
+        Piece* p = q.pop();
+        if (p->op) {
+          p->op->fail("engine closed before the operation was posted");
+          finishOp(p->op);
+        }
+        freePiece(p);
       }
-      freePiece(p);
     }
-    n.pending.clear();
+    n.queued = 0;
     while (!n.live.empty()) {
       Piece* p = n.live.head;
       n.live.erase(p);
@@ -300,6 +303,7 @@ PeerId LibfabricEngine::addPeer(const std::vector<uint8_t>& address) {
       uint32_t len = get32();
       EPCOMM_CHECK(pos + len + 16 <= address.size(), kInvalidArgument, "addPeer: truncated address for NIC " << n);
       std::lock_guard<SpinThenBlockMutex> lock(nics_[n]->mu);
+      nics_[n]->queues.resize(peers.size() + 1);
       int rc = fi_av_insert(nics_[n]->av, address.data() + pos, 1, &entry.addrs[n], 0, nullptr);
       EPCOMM_CHECK(
           rc == 1, kFabric,

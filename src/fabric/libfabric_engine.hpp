@@ -21,7 +21,8 @@ struct Piece;
 /// FI_EP_RDM engine. One fabric/domain/AV/CQ/endpoint per NIC (numNics endpoints of one provider stand in for
 /// several NICs). Providers: "tcp" (-> "tcp;ofi_rxm"), "verbs" (-> "verbs;ofi_rxm"), "shm", "efa", "sockets".
 /// Every libfabric call on a domain is serialised by that NIC's mutex (FI_THREAD_DOMAIN); submitting threads post
-/// directly and queue on FI_EAGAIN, which the progress thread (or a waiting caller) retries until the timeout.
+/// directly and queue on FI_EAGAIN, per peer (a peer the provider refuses holds no other), which the progress thread
+/// (or a waiting caller) retries until the timeout.
 class LibfabricEngine : public EngineBase {
  public:
   /// Throws kUnavailable when the provider offers no suitable endpoint, kFabric when opening it fails.

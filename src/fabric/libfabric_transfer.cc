@@ -78,8 +78,11 @@ void LibfabricEngine::pieceDone(FiNic& n, Piece* p, const std::string& error, Fi
 
 void LibfabricEngine::submitLocked(FiNic& n, Piece* p, Finished& finished) {
   p->deadline = p->op ? p->op->deadlineMs : nowMs() + timeoutMs_;
-  if (!n.pending.empty()) {
-    n.pending.push_back(p);
+  // Behind this peer's refused posts (its order is kept), never behind another peer's (see FiNic::queues).
+  PeerQueue& q = n.queues[p->peer];
+  if (q.head != nullptr) {
+    q.push(p);
+    ++n.queued;
     return;
   }
   ssize_t rc = postPiece(n, p);
@@ -91,7 +94,8 @@ void LibfabricEngine::submitLocked(FiNic& n, Piece* p, Finished& finished) {
       n.live.insert(p);
     }
   } else if (rc == -FI_EAGAIN) {
-    n.pending.push_back(p);
+    q.push(p);
+    ++n.queued;
   } else {
     pieceDone(n, p, describe(p, p->kind == PieceKind::kSend ? "fi_send" : "fi_writemsg") + " failed: " + fiErr(rc),
               finished);
@@ -99,19 +103,22 @@ void LibfabricEngine::submitLocked(FiNic& n, Piece* p, Finished& finished) {
 }
 
 void LibfabricEngine::retryPending(FiNic& n, Finished& finished) {
-  while (!n.pending.empty()) {
-    Piece* p = n.pending.front();
-    ssize_t rc = postPiece(n, p);
-    if (rc == -FI_EAGAIN) return;
-    n.pending.pop_front();
-    if (rc == 0) {
-      if (p->inject) {
-        pieceDone(n, p, "", finished);
+  for (size_t peer = 0; peer < n.queues.size() && n.queued > 0; ++peer) {
+    PeerQueue& q = n.queues[peer];
+    while (q.head != nullptr) {
+      ssize_t rc = postPiece(n, q.head);
+      if (rc == -FI_EAGAIN) break;  // this peer waits; the next one may go
+      Piece* p = q.pop();
+      --n.queued;
+      if (rc == 0) {
+        if (p->inject) {
+          pieceDone(n, p, "", finished);
+        } else {
+          n.live.insert(p);
+        }
       } else {
-        n.live.insert(p);
+        pieceDone(n, p, describe(p, "post") + " failed: " + fiErr(rc), finished);
       }
-    } else {
-      pieceDone(n, p, describe(p, "post") + " failed: " + fiErr(rc), finished);
     }
   }
 }
@@ -208,7 +215,7 @@ bool LibfabricEngine::tryInject(PeerId peer, const void* buf, size_t len, const 
   ssize_t rc;
   {
     std::lock_guard<SpinThenBlockMutex> lock(nic.mu);
-    if (!nic.pending.empty()) return false;  // keep the order behind queued work
+    if (nic.queues[peer].head != nullptr) return false;  // keep the order behind this peer's queued work
     rc = withImm ? fi_inject_writedata(nic.ep, buf, len, imm, e.addrs[n], raddr, key)
                  : fi_inject_write(nic.ep, buf, len, e.addrs[n], raddr, key);
   }
@@ -369,13 +376,20 @@ void LibfabricEngine::sweep(FiNic& n, Finished& finished) {
   auto timeoutText = [&](Piece* p) {
     return describe(p, "no completion") + " timed out after " + std::to_string(timeoutMs_) + " ms";
   };
-  for (auto it = n.pending.begin(); it != n.pending.end();) {
-    Piece* p = *it;
-    if (now > p->deadline) {
-      it = n.pending.erase(it);
+  for (size_t peer = 0; peer < n.queues.size() && n.queued > 0; ++peer) {
+    PeerQueue& q = n.queues[peer];
+    // The expired pieces leave the queue, the others keep their order; the expired ones are failed only then, as
+    // failing one may submit another piece to this peer.
+    PeerQueue keep, expired;
+    while (q.head != nullptr) {
+      Piece* p = q.pop();
+      (now > p->deadline ? expired : keep).push(p);
+    }
+    q = keep;
+    while (expired.head != nullptr) {
+      Piece* p = expired.pop();
+      --n.queued;
       pieceDone(n, p, timeoutText(p) + " (never accepted: FI_EAGAIN)", finished);
-    } else {
-      ++it;
     }
   }
   for (Piece* p = n.live.head; p != nullptr; p = p->next) {
@@ -397,7 +411,7 @@ bool LibfabricEngine::progressOnce() {
     FiNic& n = *np;
     std::unique_lock<SpinThenBlockMutex> lock(n.mu, std::try_to_lock);
     if (!lock.owns_lock()) continue;
-    if (!n.pending.empty()) retryPending(n, finished);
+    if (n.queued > 0) retryPending(n, finished);
     fi_cq_data_entry entries[kCqBatch];
     ssize_t got = fi_cq_read(n.cq, entries, kCqBatch);
     if (got > 0) {
@@ -410,7 +424,7 @@ bool LibfabricEngine::progressOnce() {
       recordError(ErrorCode::kFabric, "fi_cq_read on NIC " + std::to_string(n.index) + " (provider " + prov_ +
                                           ") failed: " + fiErr(static_cast<int>(got)));
     }
-    if (!n.pending.empty() || !n.live.empty()) sweep(n, finished);
+    if (n.queued > 0 || !n.live.empty()) sweep(n, finished);
   }
   for (auto& f : finished) finishOp(f);
   return worked;
