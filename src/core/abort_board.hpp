@@ -4,6 +4,7 @@
 //   [0, 128)    its kernels' error record (the backend's own struct; the kernels get this address as `hostError`),
 //   [128, 132)  its abort word: 0, or s + 1 once rank s aborted (written by that peer's host, polled by this rank's
 //               kernels in the slow path of their waits: a kernel finds it at hostError + kAbortWordOffset),
+//   [136, 152)  the nvlink backend's elastic-ranks words (its proposal and barrier counter, nvlink_agree.hpp),
 //   [192, 512)  its note: what this rank says when it aborts (written by its host, read by its peers' hosts).
 // A rank whose call is refused (an argument check) writes its note and sets the abort word of every peer of its node;
 // their kernels stop waiting at their next slow poll and record "aborted by rank s", and their next call raises the
@@ -68,6 +69,8 @@ class AbortBoard {
   /// Takes back what raise() set (this rank calls again with good arguments): a peer whose kernels have not seen it
   /// yet goes on. Never throws.
   void withdraw();
+  /// Whether rank r maps this very page (its slot and this rank's are shared memory).
+  bool sharedWith(uint32_t r) const { return r < shared_.size() && shared_[r] != 0; }
   /// Whether this rank's abort words are set at its peers (raise without withdraw).
   bool raised() const { return raised_; }
   /// The error a peer that rank `me`'s kernels saw abort raises on `me`: "rank s aborted dispatch (round n): <its

@@ -159,6 +159,8 @@ struct RoundData {
   std::vector<int32_t> bound;  // per rank
   std::vector<HostTensor> x, xScale, indices, weights, outCounts, outX, outXScale, expertY, outInit, outTokens,
       absTokens;
+  std::vector<HostTensor> uploadIndices;  // Scenario::active: the indices as generated (`indices` has the mask's drops)
+  std::vector<uint64_t> dropped;          // Scenario::active: combine positions (t < bound) the mask drops, per rank
   std::vector<uint8_t> poisonScale;
   std::vector<std::vector<std::pair<uint64_t, uint64_t>>> used;  // per rank: usedRows() of the expected counts
 };
@@ -209,14 +211,34 @@ Round::Round(const Scenario& s, uint64_t seed) : d_(new RoundData) {
         }
       }
     }
-    HostTensor ind(s.indexType, {m, static_cast<int64_t>(s.topK)});
-    for (int64_t i = 0; i < m * s.topK; ++i) {
-      if (s.indexType == DType::kI64) {
-        ind.data<int64_t>()[i] = idx[i];
-      } else {
-        ind.data<int32_t>()[i] = idx[i];  // -1 is 0xFFFFFFFF for uint32
+    auto indexTensor = [&](const std::vector<int32_t>& v) {
+      HostTensor t(s.indexType, {m, static_cast<int64_t>(s.topK)});
+      for (int64_t i = 0; i < m * s.topK; ++i) {
+        if (s.indexType == DType::kI64) {
+          t.data<int64_t>()[i] = v[i];
+        } else {
+          t.data<int32_t>()[i] = v[i];  // -1 is 0xFFFFFFFF for uint32
+        }
       }
+      return t;
+    };
+    if (!s.active.empty()) {
+      // Elastic ranks: the device gets the indices as generated, the reference the same with the mask's drops.
+      d.uploadIndices.push_back(indexTensor(idx));
+      uint64_t dropped = 0;
+      const uint32_t L = s.experts / W;
+      for (int64_t t = 0; t < m; ++t) {
+        const bool senderActive = s.active[g * s.dp + static_cast<uint32_t>(t) % s.dp] != 0;
+        for (uint32_t k = 0; k < s.topK; ++k) {
+          int32_t& e = idx[t * s.topK + k];
+          if (e < 0 || (senderActive && s.active[static_cast<uint32_t>(e) / L] != 0)) continue;
+          e = -1;
+          if (t < gb[g]) ++dropped;
+        }
+      }
+      d.dropped.push_back(dropped);
     }
+    HostTensor ind = indexTensor(idx);
     HostTensor w(DType::kF32, {m, static_cast<int64_t>(s.topK)});
     for (int64_t i = 0; i < m * s.topK; ++i) w.data<float>()[i] = pos(gr);
     d.x.push_back(std::move(x));
@@ -320,6 +342,8 @@ Round::Round(const Scenario& s, uint64_t seed) : d_(new RoundData) {
 
 Round::~Round() { delete d_; }
 
+uint64_t Round::dropped(uint32_t rank) const { return d_->dropped.empty() ? 0 : d_->dropped[rank]; }
+
 void allocateDevice(const Scenario& s, uint32_t rank, DeviceTensors& dev) {
   const Shapes sh = shapesOf(s);
   int device = 0;
@@ -397,7 +421,8 @@ void Round::upload(uint32_t rank, DeviceTensors& dev) const {
   bindArgs(s, d.sh, d.m[rank], dev);
   dev.x.upload(d.x[rank].data<void>(), d.x[rank].bytes());
   if (s.scales) dev.xScale.upload(d.xScale[rank].data<void>(), d.m[rank] * d.sh.S * 4);
-  dev.indices.upload(d.indices[rank].data<void>(), d.indices[rank].bytes());
+  const HostTensor& indices = d.uploadIndices.empty() ? d.indices[rank] : d.uploadIndices[rank];
+  dev.indices.upload(indices.data<void>(), indices.bytes());
   dev.weights.upload(d.weights[rank].data<void>(), d.weights[rank].bytes());
   dev.boundM.upload(&d.bound[rank], 4);
   std::vector<uint8_t> poison(d.sh.L * 4, 0xA5);

@@ -61,6 +61,9 @@ struct Scenario {
   /// pplx-kernels and DeepEP (a backend that rounds partial sums on the way fails). Off: within the dtypes' tolerance
   /// of the fp32 reference.
   bool oneRounding = false;
+  /// Elastic ranks: the active-ranks mask (worldSize entries) the expected outputs follow (reference::dispatch with
+  /// activeRanks: positions of masked ranks dropped); the device still gets the indices as generated. Empty: all.
+  std::vector<int32_t> active;
 };
 
 /// `args` (DispatchArgs or CombineArgs) as its send half (doRecv off) and its receive half (doSend off).
@@ -100,6 +103,8 @@ class Round {
   std::string check(uint32_t rank, const DeviceTensors& dev) const;
   /// Raw device outputs of `rank` (for bitwise comparisons across rounds).
   static std::vector<uint8_t> snapshot(const DeviceTensors& dev);
+  /// Scenario::active: the combine positions (t < bound) of `rank` that the mask drops (what droppedTokens adds).
+  uint64_t dropped(uint32_t rank) const;
 
  private:
   RoundData* d_;

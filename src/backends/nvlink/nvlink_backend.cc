@@ -16,10 +16,12 @@
 #include <vector>
 
 #include "backends/backends.hpp"
+#include "backends/nvlink/nvlink_agree.hpp"
 #include "backends/nvlink/nvlink_cuda.hpp"
 #include "backends/nvlink/nvlink_kernels.hpp"
 #include "backends/nvlink/nvlink_launch.hpp"
 #include "backends/nvlink/nvlink_layout.hpp"
+#include "backends/nvlink/nvlink_peer_mapping.hpp"
 #include "backends/nvlink/nvlink_trace.hpp"
 #include "core/abort_board.hpp"
 #include "core/call_order.hpp"
@@ -35,6 +37,7 @@ namespace backends {
 namespace {
 
 using nvlink::Geometry;
+using nvlink::PeerMapping;
 
 // Tokens of one call of `c` on one rank at most (every dp group's): what the block shape follows.
 uint64_t batchTokens(const Config& c) { return static_cast<uint64_t>(c.maxNumTokens) * c.numDpGroups(); }
@@ -86,65 +89,6 @@ int raiseSharedMemoryLimit(uint32_t bytes) {
   return rc;
 }
 
-// The peers' regions this process has mapped (cudaIpcOpenMemHandle), by address. A handle that is already open in a
-// context is not mapped again: the driver returns the existing address and counts a reference. Two objects never share
-// a region, so an address already in the set means the driver took a new handle for one this process has open, a
-// mapping of memory its exporter freed (CUDA leaves freeing exported memory before the importers closed their mappings
-// undefined): refused, rather than handed to kernels that would store into it.
-class PeerMapping {
- public:
-  PeerMapping() = default;
-  ~PeerMapping() { reset(); }
-  PeerMapping(PeerMapping&& o) noexcept : map_(std::move(o.map_)) {}
-  PeerMapping& operator=(PeerMapping&&) = delete;
-  PeerMapping(const PeerMapping&) = delete;
-  PeerMapping& operator=(const PeerMapping&) = delete;
-
-  /// Maps `handle` (rank `peer`'s region) for rank `me`. Throws Error(kCuda) when the driver fails, Error(kInternal)
-  /// when it returns an address this process has mapped already.
-  static PeerMapping open(const cudaIpcMemHandle_t& handle, uint32_t me, uint32_t peer) {
-    void* p = nullptr;
-    EPCOMM_CHECK_CUDA(cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess));
-    PeerMapping m;
-    std::lock_guard<std::mutex> lock(registryMutex());
-    if (!registry().insert(p).second) {
-      cudaIpcCloseMemHandle(p);  // drops the reference this open took; the earlier one stays with its owner
-      EPCOMM_THROW(kInternal, "rank " << me << ": the IPC handle of rank " << peer << "'s region opened at " << p
-                                      << ", an address this process has mapped already (a stale mapping of freed "
-                                         "memory); refusing to use it");
-    }
-    m.map_ = nvlink::IpcMapping(p);
-    return m;
-  }
-
-  char* get() const { return static_cast<char*>(map_.get()); }
-
-  /// Unmaps (if mapped). Returns the cudaError_t of cudaIpcCloseMemHandle (cudaSuccess when nothing was mapped).
-  cudaError_t reset() {
-    if (!map_) return cudaSuccess;
-    void* p = map_.get();
-    {
-      std::lock_guard<std::mutex> lock(registryMutex());
-      registry().erase(p);
-    }
-    cudaGetLastError();
-    map_.reset();
-    return cudaGetLastError();
-  }
-
- private:
-  static std::mutex& registryMutex() {
-    static std::mutex* mu = new std::mutex;  // never destroyed: objects may outlive static destructors
-    return *mu;
-  }
-  static std::set<const void*>& registry() {
-    static auto* r = new std::set<const void*>;
-    return *r;
-  }
-
-  nvlink::IpcMapping map_;
-};
-
 const char* phaseName(int32_t phase) {
   switch (phase) {
     case nvlink::kPhaseDispatchRecv:
@@ -172,7 +116,13 @@ struct PeerInfo {
   uint32_t threads;
   int32_t device;
   uint64_t bytes;
+  nvlink::ProcessId process;  // elastic ranks: whether the rank's process is gone (nvlink_agree.hpp)
+  int32_t elastic;            // EPCOMM_ELASTIC, equal on every rank
 };
+
+// Where a rank's elastic words live in its slot of the abort board: between its abort word and its note.
+constexpr uint64_t kElasticWordsOffset = kAbortWordOffset + 8;
+static_assert(kElasticWordsOffset + 16 <= kAbortNoteOffset, "the elastic words fit between abort word and note");
 
 class NvlinkAllToAll final : public AllToAll {
  public:
@@ -232,6 +182,8 @@ class NvlinkAllToAll final : public AllToAll {
     mine.threads = geo_.threads;
     mine.device = device_;
     mine.bytes = geo_.totalBytes;
+    mine.process = nvlink::thisProcess();
+    mine.elastic = envInt("EPCOMM_ELASTIC") != 0 ? 1 : 0;
     EPCOMM_CHECK_CUDA(cudaIpcGetMemHandle(&mine.handle, region_.get()));
     std::vector<PeerInfo> all(W);
     bootstrap_.allGather(&mine, all.data(), sizeof(PeerInfo));
@@ -254,7 +206,11 @@ class NvlinkAllToAll final : public AllToAll {
       EPCOMM_CHECK(all[r].bytes == geo_.totalBytes, kInvalidConfig,
                    "ranks disagree on the nvlink buffer size (their configs differ): rank "
                        << r << " has " << all[r].bytes << " bytes, rank " << me << " " << geo_.totalBytes);
+      EPCOMM_CHECK(all[r].elastic == mine.elastic, kInvalidConfig,
+                   "ranks disagree on EPCOMM_ELASTIC: rank " << r << " has " << all[r].elastic << ", rank " << me << " "
+                                                             << mine.elastic);
     }
+    openElastic(all, mine.elastic != 0);
     peers_.assign(nvlink::kMaxRanks, nullptr);
     peers_[me] = static_cast<char*>(region_.get());
     for (uint32_t r = 0; r < W; ++r) {
@@ -292,6 +248,7 @@ class NvlinkAllToAll final : public AllToAll {
     if (trace_.enabled()) std::fputs(trace_.summary(static_cast<int>(config_.rank)).c_str(), stderr);
     bool together = teardownBarrier("after the last kernels");
     for (PeerMapping& m : peerMaps_) {
+      if (!m.get()) continue;
       const cudaError_t e = m.reset();
       if (e != cudaSuccess) {
         EPCOMM_LOG(kWarn, "rank " << config_.rank
@@ -299,6 +256,16 @@ class NvlinkAllToAll final : public AllToAll {
       }
     }
     if (together) teardownBarrier("after unmapping the peers' regions");
+  }
+
+  std::vector<int32_t> activeRanks() const override {
+    std::vector<int32_t> mask(config_.worldSize);
+    for (uint32_t r = 0; r < config_.worldSize; ++r) mask[r] = static_cast<int32_t>((view_ >> r) & 1u);
+    return mask;
+  }
+  void setActiveRanks(const std::vector<int32_t>& mask) override;
+  uint64_t droppedTokens() const override {
+    return hostDrops_ ? *static_cast<const volatile uint64_t*>(hostDrops_.get()) : 0;
   }
 
   void dispatch(const DispatchArgs& a) override {
@@ -320,6 +287,9 @@ class NvlinkAllToAll final : public AllToAll {
     }
     nvlink::DispatchKernelArgs k = p.k;
     checkCurrentDevice(device_, config_.rank);
+    if (a.doSend && geo_.live != fullMask()) {
+      maskIndices(a.indices, p.m, nullptr, 0, a.stream, false, k.indices, k.indexKind, k.indexStrides);
+    }
     k.st.trace = trace_.next(nvlink::PhaseTrace::kDispatch, a.doSend, a.doRecv);
     launch(nvlink::dispatchLaunch(k, a.doSend, a.doRecv), &k, sizeof k, a.stream, "dispatch",
            [&] { order_.dispatched(a.doSend, a.doRecv); });
@@ -348,6 +318,9 @@ class NvlinkAllToAll final : public AllToAll {
     if (a.doSend && board_.raised()) board_.withdraw();
     nvlink::CombineKernelArgs k = p.k;
     checkCurrentDevice(device_, config_.rank);
+    if (a.doRecv && geo_.live != fullMask()) {
+      maskIndices(a.indices, k.m, a.boundM, 1, a.stream, true, k.indices, k.indexKind, k.indexStrides);
+    }
     k.st.trace = trace_.next(nvlink::PhaseTrace::kCombine, a.doSend, a.doRecv);
     launch(nvlink::combineLaunch(k, a.doSend, a.doRecv, p.sendType, p.recvType), &k, sizeof k, a.stream, "combine",
            [&] { order_.combined(a.doSend, a.doRecv); });
@@ -373,6 +346,15 @@ class NvlinkAllToAll final : public AllToAll {
  private:
   // One teardown barrier; false (logged) when it failed, e.g. because a peer is gone.
   bool teardownBarrier(const char* when) {
+    if (left_) return false;  // the ranks that stay unmapped this rank's region when it left; they wait for nothing
+    if (geo_.live != fullMask()) {
+      // Ranks are masked: the bootstrap may have lost its rank 0; the active ranks meet on the abort board.
+      const uint32_t missing = agree_ ? agree_->barrier(geo_.live) : 0;
+      if (missing == 0) return true;
+      EPCOMM_LOG(kWarn, "rank " << config_.rank << ": nvlink teardown barrier " << when << ": no answer from "
+                                << nvlink::rankSet(missing, config_.worldSize));
+      return false;
+    }
     try {
       bootstrap_.barrier();
       return true;
@@ -506,9 +488,19 @@ class NvlinkAllToAll final : public AllToAll {
       if (code != nvlink::kPhasePeerAbort && config_.worldSize > 1) {
         board_.raise(kAbortFailed, dispatchSends_, failedCode_, failed_);
       }
+      if (agree_ && elastic_ && lostToPeer(code, static_cast<uint32_t>(r->peer))) recoverFromLoss();
     }
     detail::throwError(failedCode_, failed_ + " [this AllToAll object is unusable]", __FILE__, __LINE__);
   }
+
+  uint32_t fullMask() const { return config_.worldSize >= 32 ? ~0u : (1u << config_.worldSize) - 1; }
+  // Elastic ranks (nvlink_elastic.cc).
+  void openElastic(const std::vector<PeerInfo>& all, bool elastic);
+  bool lostToPeer(int32_t phase, uint32_t peer) const;
+  [[noreturn]] void recoverFromLoss();
+  void adoptView(uint32_t view);
+  void maskIndices(const TensorView& indices, uint32_t m, const int32_t* boundM, int count, void* stream, bool combine,
+                   const void*& out, int32_t& kind, int64_t (&strides)[2]);
 
   Config config_;
   Bootstrap& bootstrap_;
@@ -554,7 +546,209 @@ class NvlinkAllToAll final : public AllToAll {
   nvlink::LaunchMarks marks_;  // the object's outstanding work, per stream (synchronize, destructor)
   std::string failed_;
   ErrorCode failedCode_ = ErrorCode::kInternal;
+  // Elastic ranks (docs/failures.md): the agreement over the abort board, the peers' processes, this rank's view of
+  // the active ranks (geo_.live while it takes part), whether it left, the masked indices of a dispatch and a combine
+  // (int32 [maxNumTokens][K] each, then the drop counter's two words) and the host-mapped drop count.
+  bool elastic_ = false;
+  std::unique_ptr<nvlink::ElasticAgreement> agree_;
+  std::vector<nvlink::ProcessId> processes_;
+  uint32_t view_ = 0;
+  bool left_ = false;
+  nvlink::DeviceMemory maskScratch_;
+  nvlink::PinnedMemory hostDrops_;
+  uint64_t* hostDropsDev_ = nullptr;
 };
+
+// Elastic ranks: the words of every rank on the abort board, and which peers' processes this rank can watch.
+void NvlinkAllToAll::openElastic(const std::vector<PeerInfo>& all, bool elastic) {
+  const uint32_t W = config_.worldSize;
+  elastic_ = elastic;
+  view_ = geo_.live;
+  processes_.resize(W);
+  std::vector<uint64_t*> proposals(W), barriers(W);
+  for (uint32_t r = 0; r < W; ++r) {
+    if (r != config_.rank && !board_.sharedWith(r)) return;  // no shared page: no agreement (setActiveRanks refuses)
+    // A peer whose process this rank cannot see (another pid namespace) is taken as alive: the timeout decides.
+    processes_[r] =
+        r != config_.rank && nvlink::processState(all[r].process) == 1 ? all[r].process : nvlink::ProcessId{};
+    proposals[r] = reinterpret_cast<uint64_t*>(board_.slot(r) + kElasticWordsOffset);
+    barriers[r] = proposals[r] + 1;
+  }
+  agree_ = std::make_unique<nvlink::ElasticAgreement>(
+      proposals, barriers, config_.rank, env().timeoutMs,
+      [this](uint32_t r) { return nvlink::processState(processes_[r]) != 0; });
+}
+
+// Whether a kernel error is a round lost to a peer that elastic ranks recover from: a wait that timed out, or a peer
+// whose own kernels failed (not one that refused its call: that rank is alive and calls again).
+bool NvlinkAllToAll::lostToPeer(int32_t phase, uint32_t peer) const {
+  if (phase == nvlink::kPhaseBadIndex) return false;
+  if (phase != nvlink::kPhasePeerAbort) return true;
+  if (peer >= config_.worldSize) return false;
+  const auto* note = reinterpret_cast<const AbortNote*>(board_.slot(peer) + kAbortNoteOffset);
+  // A peer whose kernel found a bad index failed on its input, not on a lost peer: that stays fatal.
+  return __atomic_load_n(&note->kind, __ATOMIC_ACQUIRE) == kAbortFailed &&
+         note->code != static_cast<int32_t>(ErrorCode::kDeviceError);
+}
+
+// The round in failed_ was lost: once this rank's kernels have stopped, the active ranks agree on who goes on, every
+// one resets its buffers as a new object would have them, and the call throws (the object goes on).
+void NvlinkAllToAll::recoverFromLoss() {
+  if (marks_.wait() != cudaSuccess) cudaGetLastError();
+  const uint32_t before = geo_.live;
+  const nvlink::ElasticAgreement::Result agreed = agree_->agree(before);
+  std::ostringstream oss;
+  oss << failed_;
+  if (agreed.view == 0) {
+    left_ = true;
+    view_ = 0;
+    oss << "; the other ranks went on without this rank (" << agreed.maskedBy
+        << "): it takes no part in the object any more [this AllToAll object is unusable]";
+    failed_ = oss.str();
+    detail::throwError(failedCode_, failed_, __FILE__, __LINE__);
+  }
+  adoptView(agreed.view);
+  oss << "; the ranks agreed to go on";
+  if (before & ~agreed.view) oss << " without " << nvlink::rankSet(before & ~agreed.view, config_.worldSize);
+  oss << " (active: " << nvlink::rankSet(agreed.view, config_.worldSize)
+      << "): this call failed and its round is lost, the object goes on (the next call is a dispatch)";
+  detail::throwError(failedCode_, oss.str(), __FILE__, __LINE__);
+}
+
+// Every rank of `view` runs this after the agreement: no kernel of theirs runs (each proposed after its own stopped).
+// The masked ranks' regions are unmapped, this rank's buffers are reset to a new object's, and the active ranks meet
+// before any of them launches again (nobody stores into a region that is still being reset).
+void NvlinkAllToAll::adoptView(uint32_t view) {
+  const uint32_t me = config_.rank;
+  for (uint32_t r = 0; r < config_.worldSize; ++r) {
+    if (r == me || ((view >> r) & 1u) || !((geo_.live >> r) & 1u)) continue;
+    const cudaError_t e = peerMaps_[r < me ? r : r - 1].reset();
+    if (e != cudaSuccess) EPCOMM_LOG(kWarn, "rank " << me << ": unmapping masked rank " << r << " failed");
+    peers_[r] = nullptr;
+  }
+  geo_.live = view_ = view;
+  const nvlink::Stream setup = nvlink::makeStream();
+  EPCOMM_CHECK_CUDA(cudaMemsetAsync(region_.get(), 0, geo_.totalBytes, setup.get()));
+  EPCOMM_CHECK_CUDA(cudaMemsetAsync(seq_.get(), 0, nvlink::roundCounterBytes(geo_), setup.get()));
+  EPCOMM_CHECK_CUDA(cudaMemsetAsync(route_.get(), 0, nvlink::routeScratchBytes(geo_), setup.get()));
+  EPCOMM_CHECK_CUDA(cudaMemsetAsync(rowSlots_.get(), 0xff, nvlink::rowSlotBytes(geo_), setup.get()));
+  EPCOMM_CHECK_CUDA(cudaStreamSynchronize(setup.get()));
+  std::memset(static_cast<void*>(hostError_), 0, sizeof(nvlink::ErrorRecord));
+  __atomic_store_n(reinterpret_cast<uint32_t*>(board_.slot(me) + kAbortWordOffset), 0u, __ATOMIC_SEQ_CST);
+  board_.withdraw();
+  for (auto& p : packedDispatch_) p.valid = false;
+  for (auto& p : packedCombine_) p.valid = false;
+  order_.reset();
+  dispatchSends_ = 0;
+  dispatchedM_ = 0;
+  failed_.clear();
+  const uint32_t missing = agree_->barrier(view);
+  if (missing != 0) {
+    failed_ = "rank " + std::to_string(me) + ": after agreeing on the active " +
+              nvlink::rankSet(view, config_.worldSize) + ", " + nvlink::rankSet(missing, config_.worldSize) +
+              " did not reset in time";
+    failedCode_ = ErrorCode::kTimeout;
+    detail::throwError(failedCode_, failed_ + " [this AllToAll object is unusable]", __FILE__, __LINE__);
+  }
+}
+
+void NvlinkAllToAll::setActiveRanks(const std::vector<int32_t>& mask) {
+  checkUsable();
+  const uint32_t W = config_.worldSize, me = config_.rank;
+  EPCOMM_CHECK(agree_ != nullptr, kUnavailable,
+               "nvlink rank " << me
+                              << ": setActiveRanks needs the node's shared abort board, which this object has "
+                                 "not got (no POSIX shared memory)");
+  EPCOMM_CHECK(order_.state() == CallOrder::State::kIdle, kInvalidArgument,
+               "nvlink rank " << me << ": setActiveRanks while the object is '" << CallOrder::name(order_.state())
+                              << "' (call it between rounds)");
+  EPCOMM_CHECK(mask.size() == W, kInvalidArgument,
+               "setActiveRanks: the mask has " << mask.size() << " entries for " << W << " ranks");
+  uint32_t want = 0;
+  for (uint32_t r = 0; r < W; ++r) {
+    EPCOMM_CHECK(mask[r] == 0 || mask[r] == 1, kInvalidArgument,
+                 "setActiveRanks: entry " << r << " is " << mask[r] << " (1 = active, 0 = masked)");
+    EPCOMM_CHECK(mask[r] == 0 || ((geo_.live >> r) & 1u), kInvalidArgument,
+                 "setActiveRanks: rank " << r
+                                         << " is masked already and cannot be made active again (a rank that comes "
+                                            "back needs a new object with every rank)");
+    if (mask[r] != 0) want |= 1u << r;
+  }
+  EPCOMM_CHECK(want != 0, kInvalidArgument, "setActiveRanks: the mask leaves no rank active");
+  if (marks_.wait() != cudaSuccess) cudaGetLastError();
+  checkUsable();
+  if (!((want >> me) & 1u)) {
+    // This rank leaves: the others adopt the mask, unmap its region and meet; then nothing of theirs touches it.
+    const uint32_t missing = agree_->leave(want & geo_.live, agree_->nextBarrier());
+    if (missing != 0) {
+      EPCOMM_LOG(kWarn, "nvlink rank " << me << ": leaving, no answer from " << nvlink::rankSet(missing, W));
+    }
+    left_ = true;
+    view_ = want & geo_.live;
+    failedCode_ = ErrorCode::kInvalidArgument;
+    failed_ = "nvlink rank " + std::to_string(me) +
+              ": this rank left the object (setActiveRanks masked it) and takes no part in its rounds";
+    return;
+  }
+  const nvlink::ElasticAgreement::Result agreed = agree_->agree(want & geo_.live);
+  if (agreed.view == 0) {
+    left_ = true;
+    view_ = 0;
+    failedCode_ = ErrorCode::kPeerFailure;
+    failed_ = "nvlink rank " + std::to_string(me) + ": setActiveRanks: the other ranks went on without this rank (" +
+              agreed.maskedBy + ")";
+    detail::throwError(failedCode_, failed_, __FILE__, __LINE__);
+  }
+  const uint32_t lost = want & geo_.live & ~agreed.view;
+  adoptView(agreed.view);
+  EPCOMM_CHECK(lost == 0 || elastic_, kTimeout,
+               "nvlink rank " << me << ": setActiveRanks: " << nvlink::rankSet(lost, W)
+                              << " did not answer within EPCOMM_TIMEOUT_MS and was masked too (active: "
+                              << nvlink::rankSet(agreed.view, W) << ")");
+}
+
+// The call's indices with the masked ranks' positions dropped (-1), into the dispatch's or the combine's scratch, on
+// the call's stream before its kernel; `count`: the positions dropped are added to droppedTokens.
+void NvlinkAllToAll::maskIndices(const TensorView& indices, uint32_t m, const int32_t* boundM, int count, void* stream,
+                                 bool combine, const void*& out, int32_t& kind, int64_t (&strides)[2]) {
+  const uint64_t perCall = static_cast<uint64_t>(config_.maxNumTokens) * config_.expertsPerToken;
+  if (!maskScratch_) {
+    maskScratch_ = nvlink::allocDevice(2 * perCall * sizeof(int32_t) + 16);
+    EPCOMM_CHECK_CUDA(cudaMemset(maskScratch_.get(), 0, 2 * perCall * sizeof(int32_t) + 16));
+    hostDrops_ = nvlink::allocPinnedMapped(sizeof(uint64_t));
+    *static_cast<volatile uint64_t*>(hostDrops_.get()) = 0;
+    EPCOMM_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&hostDropsDev_), hostDrops_.get(), 0));
+  }
+  EPCOMM_CHECK(m <= config_.maxNumTokens, kInvalidArgument,
+               "rank " << config_.rank << ": indices have " << m << " rows, more than maxNumTokens");
+  int32_t* scratch = static_cast<int32_t*>(maskScratch_.get()) + (combine ? perCall : 0);
+  nvlink::MaskIndicesArgs a{};
+  a.indices = indices.data;
+  a.indexKind = indexKindOf(indices.dtype);
+  a.indexStrides[0] = indices.strides[0];
+  a.indexStrides[1] = indices.strides[1];
+  a.m = m;
+  a.topK = config_.expertsPerToken;
+  a.numExperts = config_.numExperts;
+  a.numLocalExperts = config_.numLocalExperts();
+  a.dpSize = config_.dpSize;
+  a.group = config_.rank / config_.dpSize;
+  a.live = geo_.live;
+  a.boundM = boundM;
+  a.out = scratch;
+  if (count != 0) {
+    a.drops = reinterpret_cast<unsigned long long*>(static_cast<int32_t*>(maskScratch_.get()) + 2 * perCall);
+    a.hostDrops = reinterpret_cast<unsigned long long*>(hostDropsDev_);
+  }
+  const int rc = nvlink::launchMaskIndices(a, stream);
+  EPCOMM_CHECK(rc == 0, kCuda,
+               "rank " << config_.rank << ": the elastic index mask failed to launch: "
+                       << cudaGetErrorString(static_cast<cudaError_t>(rc)));
+  out = scratch;
+  kind = 0;
+  strides[0] = config_.expertsPerToken;
+  strides[1] = 1;
+}
 
 }  // namespace
 

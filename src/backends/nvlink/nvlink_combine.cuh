@@ -119,7 +119,7 @@ __device__ bool combineSendBody(const CombineKernelArgs& a, const RowTables& rt,
     uint8_t* dstLane = lane < D ? reinterpret_cast<uint8_t*>(a.peers[group0 + lane]) + g.offPartials +
                                       (static_cast<uint64_t>(g.rank) * g.maxTokens + t) * g.partialBytes
                                 : nullptr;
-    const uint32_t dstMask = D >= 32 ? 0xffffffffu : ((1u << D) - 1);
+    const uint32_t dstMask = (D >= 32 ? 0xffffffffu : ((1u << D) - 1)) & (g.live >> group0);
     // This unit's vectors of a row: [v0, v0 + 32 * kChunkU), cut at the row's end.
     const uint32_t v0 = chunk * 32 * kChunkU;
     const uint32_t sliceBytes = min(32u * kChunkU, units - v0) * static_cast<uint32_t>(N * sizeof(YT));
@@ -327,7 +327,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) combineKernel(const CombineKer
         const uint64_t word = (static_cast<uint64_t>(seq) << 32) | __float_as_uint(w);
         const uint64_t off = g.offWeights + ((static_cast<uint64_t>(g.rank) * g.slotsPerSender + j) * K + k) * 8;
         for (uint32_t d = 0; d < g.worldSize; ++d) {
-          if (d != g.rank) stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[d] + off), word);
+          if (d != g.rank && liveRank(g, d)) stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[d] + off), word);
         }
       }
       tracePoint(a.st, kTrRouted);

@@ -116,6 +116,26 @@ struct CombineKernelArgs {
   int32_t accumulate;
 };
 
+/// Arguments of the elastic ranks' index mask (nvlink_elastic.cu): copies a call's indices [m, K] as int32 with every
+/// position the active ranks drop set to -1 (its expert's rank is masked, or its token's sender: rank group * D + t %
+/// D), so that the dispatch and combine kernels see those positions as empty. Launched before the dispatch or
+/// combine kernel on its stream, only while some rank is masked.
+struct MaskIndicesArgs {
+  const void* indices;
+  int32_t indexKind;
+  int64_t indexStrides[2];
+  uint32_t m, topK, numExperts, numLocalExperts, dpSize, group;
+  uint32_t live;          ///< Geometry::live
+  const int32_t* boundM;  ///< nullable device scalar: only positions of tokens t < min(m, *boundM) are counted
+  int32_t* out;           ///< int32 [m, K], contiguous
+  /// Counting (the combine's receive half; null: not counted): device words {dropped positions so far, blocks done},
+  /// and the host-mapped word into which the launch's last block copies the first (droppedTokens reads it).
+  unsigned long long* drops;
+  unsigned long long* hostDrops;
+};
+/// Launches the index mask on `stream`; returns the cudaError_t.
+int launchMaskIndices(const MaskIndicesArgs& args, void* stream);
+
 /// One kernel launch: the instantiation, grid, block and dynamic shared memory; its single parameter is the
 /// arguments struct.
 struct KernelLaunch {

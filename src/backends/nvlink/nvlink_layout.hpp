@@ -78,6 +78,9 @@ struct Geometry {
   uint32_t pull;            ///< 1: a sender stages its tokens in its own region and receivers read them over NVLink
   uint32_t pushQuarters;    ///< pull mode: slots j with j % 4 < pushQuarters are pushed into the receivers anyway
                             ///< (kPushQuarters; 0 in push mode)
+  /// Active ranks, bit r for rank r (elastic ranks, docs/failures.md): the kernels store into, signal and wait for
+  /// these only. Every rank unless a mask dropped some (it fills the padding before the 64-bit offsets).
+  uint32_t live;
   uint64_t offFlags, offNumTokens, offCounts, offRoute, offPayload, offWeights, offPartials, totalBytes;
 };
 
@@ -237,6 +240,7 @@ inline Geometry makeGeometry(const Config& c, uint32_t blocks, uint32_t threads 
   const uint64_t fullUnits = ceilDiv(c.hiddenDimBytes > 0 ? c.hiddenDimBytes : 1, 4096) * g.slotsPerSender;
   g.pull = c.worldSize > 1 && fullUnits >= static_cast<uint64_t>(blocks) * blockWarps(g) ? 1 : 0;
   g.pushQuarters = g.pull ? kPushQuarters : 0;
+  g.live = c.worldSize >= 32 ? 0xffffffffu : (1u << c.worldSize) - 1;
   const uint64_t W = c.worldSize, Ts = g.slotsPerSender, K = c.expertsPerToken;
   uint64_t off = 0;
   g.offFlags = off;

@@ -30,7 +30,7 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
   int32_t* base = smem + warps * E;                    // [warps][E]: tokens before this warp's 32
   int32_t* running = smem + 2 * warps * E;             // [E]
   // The token count first: the receivers' row tables need it with the counts.
-  if (chunk == 0 && threadIdx.x < W) {
+  if (chunk == 0 && threadIdx.x < W && liveRank(g, threadIdx.x)) {
     stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[threadIdx.x] + g.offNumTokens) + g.rank, tagWord(round, n));
   }
   for (uint32_t i = threadIdx.x; i < warps * E; i += blockDim.x) bits[i] = 0;
@@ -106,6 +106,7 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
         }
         const uint64_t off = g.offRoute + routeIndex(K, g.slotsPerSender, g.rank, j, k0) * sizeof(uint64_t);
         for (uint32_t d = 0; d < W; ++d) {
+          if (!liveRank(g, d)) continue;
           const RouteEntry e0{d == owner[0] ? le[0] : -1, d == owner[0] ? pos[0] : 0};
           const RouteEntry e1{d == owner[1] ? le[1] : -1, d == owner[1] ? pos[1] : 0};
           stRelaxedSys2(reinterpret_cast<uint64_t*>(a.peers[d] + off), tagWord(round, packEntry(e0)),
@@ -122,6 +123,7 @@ __device__ bool dispatchRouting(const DispatchKernelArgs& a, uint32_t n, int32_t
   };
   // This rank's count of expert e's tokens, into e's rank (tagged: the receivers poll it).
   auto emitCount = [&](uint32_t e, int32_t count) {
+    if (!liveRank(g, e / L)) return;
     stRelaxedSys(reinterpret_cast<uint64_t*>(a.peers[e / L] + g.offCounts) + g.rank * L + e % L,
                  tagWord(round, static_cast<uint32_t>(count)));
   };

@@ -105,8 +105,10 @@ __device__ bool pollSenders(char* local, const Geometry& g, int32_t* tokens, uin
   bool ok = true;
   if (tid < g.worldSize) {
     uint32_t n = 0;
-    ok = waitTagged(reinterpret_cast<const uint64_t*>(local + g.offNumTokens) + tid, round, st, kPhaseDispatchRecv,
-                    static_cast<int32_t>(g.rank), static_cast<int32_t>(tid), n);
+    if (liveRank(g, tid)) {
+      ok = waitTagged(reinterpret_cast<const uint64_t*>(local + g.offNumTokens) + tid, round, st, kPhaseDispatchRecv,
+                      static_cast<int32_t>(g.rank), static_cast<int32_t>(tid), n);
+    }
     tokens[tid] = static_cast<int32_t>(n);
   }
   return ok;
@@ -130,7 +132,9 @@ __device__ RowTables computeRows(char* local, const Geometry& g, int32_t* smem, 
     int32_t acc = 0;
     for (uint32_t s = 0; s < W && ok; ++s) {
       uint32_t c = 0;
-      ok = waitTagged(counts + s * L + le, round, st, kPhaseDispatchRecv, rank, static_cast<int32_t>(s), c);
+      if (liveRank(g, s)) {
+        ok = waitTagged(counts + s * L + le, round, st, kPhaseDispatchRecv, rank, static_cast<int32_t>(s), c);
+      }
       rt.senderBase[s * L + le] = acc;
       acc += static_cast<int32_t>(c);
     }

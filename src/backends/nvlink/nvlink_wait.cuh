@@ -175,10 +175,11 @@ __device__ bool waitRanks(char* local, const Geometry& g, int which, uint32_t ma
   return __syncthreads_and(ok ? 1 : 0) != 0;
 }
 
-// Bit r set for every rank r.
-__device__ __forceinline__ uint32_t allRanksMask(const Geometry& g) {
-  return g.worldSize >= 32 ? 0xffffffffu : (1u << g.worldSize) - 1;
-}
+// Bit r set for every active rank r (every rank unless elastic ranks masked some: Geometry::live).
+__device__ __forceinline__ uint32_t allRanksMask(const Geometry& g) { return g.live; }
+
+// Whether rank r is active (Geometry::live): a masked rank is never stored into, signalled or waited for.
+__device__ __forceinline__ bool liveRank(const Geometry& g, uint32_t r) { return ((g.live >> r) & 1u) != 0; }
 
 // Block-wide: waitRanks over every rank.
 __device__ bool waitAllRanks(char* local, const Geometry& g, int which, uint64_t expected, const DeviceState& st,
@@ -191,7 +192,9 @@ __device__ bool waitAllRanks(char* local, const Geometry& g, int which, uint64_t
 // release pattern (red.release would add a fence per add).
 __device__ void signalRanks(char* const* peers, const Geometry& g, int which) {
   fenceAcqRelSys();
-  for (uint32_t d = 0; d < g.worldSize; ++d) redAddRelaxedSys(flagPtr(peers[d], g, which, g.rank), 1);
+  for (uint32_t d = 0; d < g.worldSize; ++d) {
+    if (liveRank(g, d)) redAddRelaxedSys(flagPtr(peers[d], g, which, g.rank), 1);
+  }
 }
 // Block-wide: the barrier after the block's stores, then thread 0 signals (signalRanks).
 __device__ void signalAllRanks(char* const* peers, const Geometry& g, int which) {

@@ -1,0 +1,176 @@
+#include "backends/nvlink/nvlink_agree.hpp"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+#include <thread>
+
+namespace epcomm {
+namespace nvlink {
+
+namespace {
+
+int64_t nowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void pause() { std::this_thread::sleep_for(std::chrono::microseconds(50)); }
+
+// The state letter and start time (field 22) of /proc/<pid>/stat; false when it cannot be read.
+bool readStat(int64_t pid, char* state, uint64_t* start) {
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
+  FILE* f = std::fopen(path, "r");
+  if (f == nullptr) return false;
+  char buf[1024];
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  // The command name (field 2) is in parentheses and may hold spaces: fields 3.. start after the last ')'.
+  const char* p = std::strrchr(buf, ')');
+  if (p == nullptr) return false;
+  ++p;
+  int field = 2;
+  *state = 0;
+  *start = 0;
+  while (*p != 0) {
+    while (*p == ' ') ++p;
+    if (*p == 0) break;
+    ++field;
+    if (field == 3) *state = *p;
+    if (field == 22) {
+      *start = std::strtoull(p, nullptr, 10);
+      return true;
+    }
+    while (*p != 0 && *p != ' ') ++p;
+  }
+  return false;
+}
+
+}  // namespace
+
+ElasticAgreement::ElasticAgreement(std::vector<uint64_t*> proposals, std::vector<uint64_t*> barriers, uint32_t rank,
+                                   int64_t timeoutMs, std::function<bool(uint32_t)> alive)
+    : proposals_(std::move(proposals)),
+      barriers_(std::move(barriers)),
+      rank_(rank),
+      world_(static_cast<uint32_t>(proposals_.size())),
+      timeoutMs_(timeoutMs),
+      alive_(std::move(alive)) {}
+
+uint64_t ElasticAgreement::load(const uint64_t* w) const { return __atomic_load_n(w, __ATOMIC_ACQUIRE); }
+void ElasticAgreement::store(uint64_t* w, uint64_t v) { __atomic_store_n(w, v, __ATOMIC_RELEASE); }
+
+ElasticAgreement::Result ElasticAgreement::agree(uint32_t view) {
+  const uint32_t e = nextEpoch(epoch_);
+  const uint32_t me = 1u << rank_;
+  view |= me;
+  store(proposals_[rank_], proposalWord(e, view));
+  int64_t deadline = nowMs() + timeoutMs_;
+  Result result;
+  for (;;) {
+    uint32_t v = view;
+    for (uint32_t s = 0; s < world_; ++s) {
+      if (s == rank_ || !((v >> s) & 1)) continue;
+      if (!alive_(s)) {
+        v &= ~(1u << s);
+        continue;
+      }
+      const uint64_t w = load(proposals_[s]);
+      if (proposalEpoch(w) != e) continue;
+      if (!(proposalView(w) & me)) {
+        epoch_ = e;
+        result.maskedBy = "rank " + std::to_string(s) + " proposed the active " + rankSet(proposalView(w), world_);
+        return result;
+      }
+      v &= proposalView(w);
+    }
+    if (v != view) {
+      view = v;
+      store(proposals_[rank_], proposalWord(e, view));
+      deadline = nowMs() + timeoutMs_;
+      continue;
+    }
+    uint32_t waiting = 0, silent = 0;
+    for (uint32_t s = 0; s < world_; ++s) {
+      if (s == rank_ || !((view >> s) & 1)) continue;
+      const uint64_t w = load(proposals_[s]);
+      if (w != proposalWord(e, view)) waiting |= 1u << s;
+      if (proposalEpoch(w) != e) silent |= 1u << s;
+    }
+    if (waiting == 0) break;
+    if (nowMs() > deadline) {
+      // Members that published nothing for this epoch leave first; ones that did but disagree get another period.
+      view &= ~(silent != 0 ? silent : waiting);
+      store(proposals_[rank_], proposalWord(e, view));
+      deadline = nowMs() + timeoutMs_;
+      continue;
+    }
+    pause();
+  }
+  epoch_ = e;
+  result.view = view;
+  return result;
+}
+
+uint32_t ElasticAgreement::leave(uint32_t view, uint64_t barrierValue) {
+  const uint32_t e = nextEpoch(epoch_);
+  view &= ~(1u << rank_);
+  store(proposals_[rank_], proposalWord(e, view));
+  epoch_ = e;
+  return waitBarriers(view, barrierValue);
+}
+
+uint32_t ElasticAgreement::barrier(uint32_t members) {
+  ++barrierSeq_;
+  store(barriers_[rank_], barrierSeq_);
+  return waitBarriers(members & ~(1u << rank_), barrierSeq_);
+}
+
+uint32_t ElasticAgreement::waitBarriers(uint32_t members, uint64_t value) {
+  const int64_t deadline = nowMs() + timeoutMs_;
+  for (;;) {
+    uint32_t missing = 0;
+    for (uint32_t s = 0; s < world_; ++s) {
+      if (s == rank_ || !((members >> s) & 1)) continue;
+      if (load(barriers_[s]) >= value || !alive_(s)) continue;
+      missing |= 1u << s;
+    }
+    if (missing == 0 || nowMs() > deadline) return missing;
+    pause();
+  }
+}
+
+std::string rankSet(uint32_t mask, uint32_t world) {
+  std::ostringstream oss;
+  int n = 0;
+  for (uint32_t r = 0; r < world; ++r) {
+    if ((mask >> r) & 1) oss << (n++ == 0 ? "" : ", ") << r;
+  }
+  if (n == 0) return "no rank";
+  return (n == 1 ? "rank " : "ranks ") + oss.str();
+}
+
+ProcessId thisProcess() {
+  ProcessId id;
+  id.pid = static_cast<int64_t>(getpid());
+  char state = 0;
+  if (!readStat(id.pid, &state, &id.startTicks)) id.startTicks = 0;
+  return id;
+}
+
+int processState(const ProcessId& id) {
+  if (id.pid <= 0 || id.startTicks == 0) return -1;
+  char state = 0;
+  uint64_t start = 0;
+  if (!readStat(id.pid, &state, &start)) return 0;  // no such process (in this namespace: checked at setup)
+  if (start != id.startTicks) return 0;             // its pid was reused
+  return state == 'Z' || state == 'X' || state == 'x' ? 0 : 1;
+}
+
+}  // namespace nvlink
+}  // namespace epcomm
