@@ -45,8 +45,8 @@ uint64_t largeBytes(const std::string& provider) { return provider == "shm" ? 40
 constexpr uint64_t kSmall = 64;  // within the inject size of both providers
 constexpr int64_t kEngineTimeoutMs = 4000;
 // A round among the survivors must finish well within the engine's timeout: a write held behind one to the dead
-// peer waits out that timeout.
-constexpr int64_t kRoundBoundMs = 1500;
+// peer waits out that timeout (its deadline: the timeout and 10 %); loaded 2-core machines need the margin.
+constexpr int64_t kRoundBoundMs = 2500;
 
 uint8_t pattern(int rank, int round, uint64_t i) {
   return static_cast<uint8_t>((i * 131u) ^ (i >> 9) ^ (rank * 71u + round * 13u + 5u));
