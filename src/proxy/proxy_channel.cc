@@ -452,8 +452,16 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
     checkDtypes();
     checkNotices(phase < Phase::kCombineBf16 ? 0 : 1, round, senders, currentJobSeq_);
     if (elastic_) checkRecords(what, round);
-    checkTransfers(prefix(what, round) + ": transfer failed while waiting for " + phaseName(phase) + " from " +
-                   rankList(named()));
+    try {
+      checkTransfers(prefix(what, round) + ": transfer failed while waiting for " + phaseName(phase) + " from " +
+                     rankList(named()));
+    } catch (const Error&) {
+      // Most often a peer closed its connection. One that closed it after saying why (it refused its call, gave the
+      // round up, left) sent that first, and the notice may still be queued behind the failure in the provider: a
+      // moment's wait for it lets the caller hear the reason instead of the broken connection.
+      awaitNoticeAfterFailure(phase < Phase::kCombineBf16 ? 0 : 1, round, senders);
+      throw;
+    }
     EPCOMM_CHECK(!stop_.load(), kInternal, prefix(what, round) << ": abandoned (object destroyed)");
     if (elastic_) heartbeat(start, senders);
     if (nowMs() - start > timeoutMs_) {
@@ -483,6 +491,7 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
           driveFor([&] { return engine_->immCount(imm) >= 1 || noticePending() || recordPending(); }, 20);
         } catch (const Error& e) {
           checkDtypes();
+          awaitNoticeAfterFailure(phase < Phase::kCombineBf16 ? 0 : 1, round, senders);
           rethrowEngineError(
               e, prefix(what, round) + ": while waiting for " + phaseName(phase) + " from " + rankList(named()));
         }
@@ -494,6 +503,7 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
         engine_->waitImm(encodeImm(tagId_, phase, round, s0), 1, oss.str());
       } catch (const Error& e) {
         checkDtypes();  // a wrong-dtype peer is named as such, not as late
+        awaitNoticeAfterFailure(phase < Phase::kCombineBf16 ? 0 : 1, round, senders);
         rethrowEngineError(
             e, prefix(what, round) + ": while waiting for " + phaseName(phase) + " from " + rankList(named()));
       }

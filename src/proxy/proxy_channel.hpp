@@ -285,6 +285,10 @@ class ProxyChannel {
   // Reads the notices that arrived (exchanging thread only). Raises a peer's fatal notice; hands a refusal by a
   // peer in `awaited` for this job (kind, round) to the caller waiting in waitJob (jobSeq).
   void checkNotices(uint32_t kind, uint32_t round, const std::vector<uint32_t>& awaited, uint64_t jobSeq);
+  // After a failed transfer (exchanging thread only): reads the notices for a short while, so that a peer that said
+  // why before closing its connection is heard: throws its fatal notice, or its refusal of this step as kPeerFailure;
+  // returns when none came.
+  void awaitNoticeAfterFailure(uint32_t kind, uint32_t round, const std::vector<uint32_t>& awaited);
   // Waits until done() or budgetMs, driving the engine from this thread when it can.
   bool driveFor(const std::function<bool()>& done, int64_t budgetMs);
   bool noticePending() const;

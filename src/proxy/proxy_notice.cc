@@ -1,8 +1,10 @@
 // Notices of the proxy channel (NoticeWire): a rank that refuses a call of a round, or gives a round up, writes its
 // notice into every peer's slot for it, so that their waits for it end at once instead of at the timeout.
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <sstream>
+#include <thread>
 
 #include "epcomm/error.hpp"
 #include "proxy/channel_wait.hpp"
@@ -16,6 +18,24 @@ bool ProxyChannel::noticePending() const {
     if (engine_->immCount(encodeImm(tagId_, Phase::kNotice, 0, s)) > 0) return true;
   }
   return false;
+}
+
+void ProxyChannel::awaitNoticeAfterFailure(uint32_t kind, uint32_t round, const std::vector<uint32_t>& awaited) {
+  const int64_t start = nowMs();
+  const int64_t graceMs = std::min<int64_t>(200, timeoutMs_ / 4);
+  while (nowMs() - start <= graceMs) {
+    checkNotices(kind, round, awaited, currentJobSeq_);  // a peer's fatal notice throws here, and wins
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (userNoticeSeq_ == currentJobSeq_ && !userNotice_.empty()) {
+        // A peer refused this step: its message is this exchange's error (the caller's call fails with it).
+        std::string message;
+        message.swap(userNotice_);
+        detail::throwError(ErrorCode::kPeerFailure, message, __FILE__, __LINE__);
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 void ProxyChannel::sendNotice(uint32_t kind, uint32_t round, bool fatal, ErrorCode code, const std::string& text) {
