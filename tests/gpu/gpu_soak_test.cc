@@ -105,8 +105,7 @@ Scenario randomScenario(uint64_t& st, const std::string& backend, uint32_t W) {
   return s;
 }
 
-SoakCase randomCase(uint64_t& st, const std::string& backend, uint32_t W, uint32_t pairsMaxWorld,
-                    uint32_t caseRounds) {
+SoakCase randomCase(uint64_t& st, const std::string& backend, uint32_t W, uint32_t pairsMaxWorld, uint32_t caseRounds) {
   SoakCase c;
   const bool pair = W <= pairsMaxWorld && splitmix(st) % 3 == 0;
   for (int i = 0; i < (pair ? 2 : 1); ++i) {
