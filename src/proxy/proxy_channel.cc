@@ -66,8 +66,8 @@ ProxyChannel::ProxyChannel(const Config& config, Bootstrap& bootstrap, const Cha
   fabric::EngineOptions eo;
   eo.provider = !options.provider.empty() ? options.provider : env().fabricProvider;
   // Elastic ranks: one endpoint per peer where the engine has enough (it sends to peer p through endpoint p % numNics).
-  // An endpoint posts in order, and a write to a dead peer that the provider refuses (FI_EAGAIN, once it has seen the
-  // connection go) holds every later write of its endpoint until its deadline: live peers behind it would look dead.
+  // The engine queues a refused post (FI_EAGAIN) per peer, but shm completes an endpoint's writes above its inject size
+  // in order, so one to a dead peer would hold a live peer's behind it until its deadline: that peer would look dead.
   eo.numNics = elastic_ ? static_cast<int>(std::min<uint32_t>(fabric::kMaxNics, std::max<uint32_t>(1, world_ - 1))) : 1;
   eo.progressCpu = env().proxyCpu;
   eo.timeoutMs = timeoutMs_;
