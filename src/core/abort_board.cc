@@ -145,6 +145,12 @@ void AbortBoard::raise(AbortKind kind, uint32_t round, ErrorCode code, const std
   raised_ = true;
 }
 
+void AbortBoard::raiseRefusal(bool doSend, AbortKind kind, uint32_t dispatchSends, const Error& e) {
+  if (!doSend || world_ == 1) return;
+  const uint32_t round = kind == kAbortDispatch || dispatchSends == 0 ? dispatchSends : dispatchSends - 1;
+  raise(kind, round, e.code(), e.message());
+}
+
 void AbortBoard::withdraw() {
   if (!raised_) return;
   for (uint32_t p = 0; p < world_; ++p) {

@@ -66,6 +66,11 @@ class AbortBoard {
   /// Writes this rank's note and sets the abort word of every peer that shares the page (a peer aborted by another
   /// rank first keeps that one). Never throws.
   void raise(AbortKind kind, uint32_t round, ErrorCode code, const std::string& text);
+  /// A call whose send half an argument check refused (`e`, before anything was launched): raise() for the round
+  /// the call belongs to (a dispatch: the next one, `dispatchSends` dispatch send halves having been launched; a
+  /// combine: the last dispatch's), so that the peers waiting for this rank's data stop at once instead of at their
+  /// timeout. Nothing for a receive half (no peer waits for it) or a world of one. Never throws.
+  void raiseRefusal(bool doSend, AbortKind kind, uint32_t dispatchSends, const Error& e);
   /// Takes back what raise() set (this rank calls again with good arguments): a peer whose kernels have not seen it
   /// yet goes on. Never throws.
   void withdraw();

@@ -277,7 +277,7 @@ class NvlinkAllToAll final : public AllToAll {
       packed = &packedFor(
           packedDispatch_, a, [&] { packDispatch(a); }, [] {});
     } catch (const Error& e) {
-      refused(a.doSend, kAbortDispatch, e);
+      board_.raiseRefusal(a.doSend, kAbortDispatch, dispatchSends_, e);
       throw;
     }
     const PackedDispatch& p = *packed;
@@ -311,7 +311,7 @@ class NvlinkAllToAll final : public AllToAll {
                              << " rows, fewer than the m = " << dispatchedM_ << " tokens this rank dispatched");
       }
     } catch (const Error& e) {
-      refused(a.doSend, kAbortCombine, e);
+      board_.raiseRefusal(a.doSend, kAbortCombine, dispatchSends_, e);
       throw;
     }
     const PackedCombine& p = *packed;
@@ -450,14 +450,6 @@ class NvlinkAllToAll final : public AllToAll {
     st.hostError = hostErrorDev_;
     st.timeoutNs = static_cast<uint64_t>(env().timeoutMs) * 1000000ull;
     st.trace = nullptr;
-  }
-
-  // A call whose send half was refused (`e`, before anything was launched): the peers that wait for its data learn it
-  // at once (their kernels stop and their next call raises `e`'s message) instead of at their timeout.
-  void refused(bool doSend, AbortKind kind, const Error& e) {
-    if (!doSend || config_.worldSize == 1) return;
-    const uint32_t round = kind == kAbortDispatch || dispatchSends_ == 0 ? dispatchSends_ : dispatchSends_ - 1;
-    board_.raise(kind, round, e.code(), e.message());
   }
 
   // Reads the host-mapped error record (no synchronisation). Once an error was seen the object refuses all use. The

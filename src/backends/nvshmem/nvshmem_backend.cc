@@ -152,7 +152,7 @@ class NvshmemAllToAll final : public AllToAll {
       packed = &packedFor(
           packedDispatch_, a, [&] { packDispatch(a); }, [] {});
     } catch (const Error& e) {
-      refused(a.doSend, kAbortDispatch, e);
+      board_.raiseRefusal(a.doSend, kAbortDispatch, dispatchSends_, e);
       throw;
     }
     const PackedDispatch& p = *packed;
@@ -181,7 +181,7 @@ class NvshmemAllToAll final : public AllToAll {
                              << " rows, fewer than the m = " << dispatchedM_ << " tokens this rank dispatched");
       }
     } catch (const Error& e) {
-      refused(a.doSend, kAbortCombine, e);
+      board_.raiseRefusal(a.doSend, kAbortCombine, dispatchSends_, e);
       throw;
     }
     const PackedCombine& p = *packed;
@@ -293,14 +293,6 @@ class NvshmemAllToAll final : public AllToAll {
     hostError_ = nullptr;
     if (acquired_) nvshmem::releaseRuntime();
     acquired_ = false;
-  }
-
-  // A call whose send half was refused (`e`, before anything was launched): the peers of this node that wait for its
-  // data learn it at once (their kernels stop and their next call raises `e`'s message) instead of at their timeout.
-  void refused(bool doSend, AbortKind kind, const Error& e) {
-    if (!doSend || config_.worldSize == 1) return;
-    const uint32_t round = kind == kAbortDispatch || dispatchSends_ == 0 ? dispatchSends_ : dispatchSends_ - 1;
-    board_.raise(kind, round, e.code(), e.message());
   }
 
   // Reads the host-mapped error record (no synchronisation). Once an error was seen the object refuses all use. The
