@@ -414,6 +414,7 @@ void ProxyChannel::proxyLoop() {
 
 void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32_t> senders, const char* what) {
   const int64_t start = nowMs(), startUs = nowUs();
+  const uint32_t noticeKind = phase < Phase::kCombineBf16 ? 0 : 1;  // the step a peer's notice must be about
   Backoff backoff;
   // A sender listed n times owes n immediates; messages and losses name it once.
   auto named = [&] {
@@ -450,7 +451,7 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
     if (senders.empty()) break;
     std::sort(senders.begin(), senders.end());
     checkDtypes();
-    checkNotices(phase < Phase::kCombineBf16 ? 0 : 1, round, senders, currentJobSeq_);
+    checkNotices(noticeKind, round, senders, currentJobSeq_);
     if (elastic_) checkRecords(what, round);
     try {
       checkTransfers(prefix(what, round) + ": transfer failed while waiting for " + phaseName(phase) + " from " +
@@ -459,7 +460,7 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
       // Most often a peer closed its connection. One that closed it after saying why (it refused its call, gave the
       // round up, left) sent that first, and the notice may still be queued behind the failure in the provider: a
       // moment's wait for it lets the caller hear the reason instead of the broken connection.
-      awaitNoticeAfterFailure(phase < Phase::kCombineBf16 ? 0 : 1, round, senders);
+      awaitNoticeAfterFailure(noticeKind, round, senders);
       throw;
     }
     EPCOMM_CHECK(!stop_.load(), kInternal, prefix(what, round) << ": abandoned (object destroyed)");
@@ -491,7 +492,7 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
           driveFor([&] { return engine_->immCount(imm) >= 1 || noticePending() || recordPending(); }, 20);
         } catch (const Error& e) {
           checkDtypes();
-          awaitNoticeAfterFailure(phase < Phase::kCombineBf16 ? 0 : 1, round, senders);
+          awaitNoticeAfterFailure(noticeKind, round, senders);
           rethrowEngineError(
               e, prefix(what, round) + ": while waiting for " + phaseName(phase) + " from " + rankList(named()));
         }
@@ -503,7 +504,7 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
         engine_->waitImm(encodeImm(tagId_, phase, round, s0), 1, oss.str());
       } catch (const Error& e) {
         checkDtypes();  // a wrong-dtype peer is named as such, not as late
-        awaitNoticeAfterFailure(phase < Phase::kCombineBf16 ? 0 : 1, round, senders);
+        awaitNoticeAfterFailure(noticeKind, round, senders);
         rethrowEngineError(
             e, prefix(what, round) + ": while waiting for " + phaseName(phase) + " from " + rankList(named()));
       }
