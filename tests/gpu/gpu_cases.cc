@@ -8,6 +8,7 @@
 #include <functional>
 
 #include "epcomm/error.hpp"
+#include "support/scoped_env.hpp"
 
 namespace epcomm {
 namespace gputest {
@@ -382,6 +383,15 @@ void peerRefuses(Scenario s, int rank, Bootstrap& bootstrap, const std::string& 
     EXPECT_THROW(a2a->synchronize(), Error);
   }
   bootstrap.barrier();
+}
+
+void peerRefusesOnRanks(int world, Scenario s, const std::string& backend, Refusal what,
+                        const test::RunOptions& options) {
+  test::ScopedEnv timeout({{"EPCOMM_TIMEOUT_MS", "10000"}});  // read once per process, in the children
+  s.experts = 8 * static_cast<uint32_t>(world);
+  test::RunResult result = test::runRanks(
+      world, [&](int rank, Bootstrap& bootstrap) { peerRefuses(s, rank, bootstrap, backend, what); }, options);
+  EXPECT_TRUE(result.allOk()) << result.summary();
 }
 
 }  // namespace gputest

@@ -111,5 +111,10 @@ enum class Refusal {
 void peerRefuses(Scenario s, int rank, Bootstrap& bootstrap, const std::string& backend, Refusal what,
                  int64_t withinMs = 2000);
 
+/// peerRefuses on `world` ranks, one process each (test::runRanks with `options`) with EPCOMM_TIMEOUT_MS = 10000: `s`
+/// with 8 experts per rank; every rank must succeed.
+void peerRefusesOnRanks(int world, Scenario s, const std::string& backend, Refusal what,
+                        const test::RunOptions& options);
+
 }  // namespace gputest
 }  // namespace epcomm

@@ -342,16 +342,7 @@ TEST(NvlinkGpu, W2PeerNeverDispatchesTimesOut) {
 // other rank's call raises within 2 s naming rank 1 and what was wrong (with EPCOMM_TIMEOUT_MS = 10 s, not its
 // timeout), and its object is then lost.
 void peerFails(int world, gputest::Refusal what) {
-  ScopedEnv env({{"EPCOMM_TIMEOUT_MS", "10000"}});  // read once per process, in the children
-  test::RunResult result = test::runRanks(
-      world,
-      [&](int rank, Bootstrap& bootstrap) {
-        Scenario s = base(static_cast<uint32_t>(world));
-        s.experts = 8 * static_cast<uint32_t>(world);
-        gputest::peerRefuses(s, rank, bootstrap, "nvlink", what);
-      },
-      options());
-  EXPECT_TRUE(result.allOk()) << result.summary();
+  gputest::peerRefusesOnRanks(world, base(static_cast<uint32_t>(world)), "nvlink", what, options());
 }
 
 TEST(NvlinkGpu, W2PeerRefusesDispatchFailsTogether) {

@@ -434,16 +434,7 @@ TEST(NvshmemGpu, W2PeerNeverEntersCombineTimesOut) {
 // timeout), and its object is then lost.
 void peerFails(int world, gputest::Refusal what) {
   OneHostNvshmem nvshmemEnv;
-  ScopedEnv env({{"EPCOMM_TIMEOUT_MS", "10000"}});  // read once per process, in the children
-  test::RunResult result = test::runRanks(
-      world,
-      [&](int rank, Bootstrap& bootstrap) {
-        Scenario s = base(static_cast<uint32_t>(world));
-        s.experts = 8 * static_cast<uint32_t>(world);
-        gputest::peerRefuses(s, rank, bootstrap, "nvshmem", what);
-      },
-      options());
-  EXPECT_TRUE(result.allOk()) << result.summary();
+  gputest::peerRefusesOnRanks(world, base(static_cast<uint32_t>(world)), "nvshmem", what, options());
 }
 
 TEST(NvshmemGpu, W2PeerRefusesDispatchFailsTogether) {

@@ -199,16 +199,7 @@ TEST_P(ProxyGpu, PeerThatNeverDispatchesTimesOut) {
 // rank 1's proxy thread sends a notice, the peers' proxy threads end their exchange and raise the mailbox's abort
 // word), and its object is then lost.
 void peerFails(int world, gputest::Refusal what) {
-  ScopedEnv timeout({{"EPCOMM_TIMEOUT_MS", "10000"}});
-  test::RunResult result = test::runRanks(
-      world,
-      [&](int rank, Bootstrap& bootstrap) {
-        Scenario s = base(static_cast<uint32_t>(world));
-        s.experts = 8 * static_cast<uint32_t>(world);
-        gputest::peerRefuses(s, rank, bootstrap, "proxy", what);
-      },
-      options());
-  EXPECT_TRUE(result.allOk()) << result.summary();
+  gputest::peerRefusesOnRanks(world, base(static_cast<uint32_t>(world)), "proxy", what, options());
 }
 
 TEST_P(ProxyGpu, W2PeerRefusesDispatchFailsTogether) { peerFails(2, gputest::Refusal::kDispatch); }
