@@ -441,6 +441,9 @@ void Round::upload(uint32_t rank, DeviceTensors& dev) const {
     }
   }
   dev.outTokens.upload(d.outInit[rank].data<void>(), d.outInit[rank].bytes());
+  // The copies and memsets above run on the legacy default stream, which the backends' non-blocking streams do not
+  // wait for (and a pageable upload may return before its DMA lands): finish them before the round is launched.
+  EPCOMM_CHECK_CUDA(cudaDeviceSynchronize());
 }
 
 std::string Round::check(uint32_t rank, const DeviceTensors& dev) const {

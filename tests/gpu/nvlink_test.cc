@@ -449,6 +449,9 @@ void castRounds(const test::CastCase& cc, uint32_t rounds, bool split) {
             indices.upload(mine.indices.data<void>(), mine.indices.bytes());
           }
           for (const DeviceBuffer* b : {&counts, &outX, &outScale}) CUDA_OK(cudaMemset(b->get(), 0, b->bytes()));
+          // cudaMemset and the uploads go to the legacy default stream, which `stream` (non-blocking) does not wait
+          // for: without this the zeroing can land after the dispatch's writes.
+          CUDA_OK(cudaDeviceSynchronize());
           DispatchArgs d;
           d.outExpertNumTokens = onDevice(shape.counts.view(), counts.get());
           d.outExpertX = onDevice(shape.x.view(), outX.get());
