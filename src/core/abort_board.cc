@@ -105,6 +105,10 @@ void AbortBoard::open(Bootstrap& bootstrap) {
     page_ = static_cast<uint8_t*>(p);
   }
   owned_ = true;
+  // This rank's process, for peers that find their wait timed out (deadPeers): written before step 3, so every peer
+  // reads it after its own step 3.
+  const ProcessIdentity self = thisProcessIdentity();
+  std::memcpy(slot(rank_) + kAbortProcessOffset, &self, sizeof(self));
   // 3. Who mapped which page: a rank's abort reaches exactly the peers that mapped its leader's page. After this step
   // every rank of the host has opened the name, so the leader removes it (nothing stays behind in /dev/shm).
   struct Mapped {
@@ -121,6 +125,15 @@ void AbortBoard::open(Bootstrap& bootstrap) {
     shared_[r] =
         r != rank_ && isShared && all[r].ok != 0 && std::strncmp(all[r].leaderName, me.leaderName, kNameBytes) == 0 ? 1
                                                                                                                     : 0;
+  }
+  // A peer is watched only if its process could be seen alive now: one in another pid namespace (or whose identity
+  // could not be read) is never named dead.
+  processes_.assign(world_, ProcessIdentity{});
+  for (uint32_t r = 0; r < world_; ++r) {
+    if (shared_[r] == 0) continue;
+    ProcessIdentity theirs;
+    std::memcpy(&theirs, slot(r) + kAbortProcessOffset, sizeof(theirs));
+    if (processState(theirs) == ProcessState::kAlive) processes_[r] = theirs;
   }
 }
 
@@ -198,6 +211,34 @@ std::string AbortBoard::describe(uint32_t sender, ErrorCode* code) const {
     *code = theirs;
   }
   return oss.str();
+}
+
+bool AbortBoard::peerGone(uint32_t r) const {
+  return r < processes_.size() && processes_[r].pid != 0 && processState(processes_[r]) == ProcessState::kGone;
+}
+
+std::vector<uint32_t> AbortBoard::deadPeers() const {
+  std::vector<uint32_t> dead;
+  for (uint32_t r = 0; r < processes_.size(); ++r) {
+    if (peerGone(r)) dead.push_back(r);
+  }
+  return dead;
+}
+
+std::string AbortBoard::blameDeadPeers(const std::string& message) const {
+  const std::vector<uint32_t> dead = deadPeers();
+  if (dead.empty()) return message;
+  std::ostringstream ranks, pids;
+  for (size_t i = 0; i < dead.size(); ++i) {
+    ranks << (i == 0 ? "" : ", ") << dead[i];
+    pids << (i == 0 ? "" : ", ") << processes_[dead[i]].pid;
+  }
+  const bool one = dead.size() == 1;
+  const std::string cause = std::string(one ? "the process of rank " : "the processes of ranks ") + ranks.str() +
+                            (one ? " has exited (pid " : " have exited (pids ") + pids.str() +
+                            "): " + (one ? "it is" : "they are") + " the likely cause";
+  if (message.find(cause) != std::string::npos) return message;
+  return message + "; " + cause;
 }
 
 }  // namespace epcomm

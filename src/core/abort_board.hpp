@@ -5,6 +5,8 @@
 //   [128, 132)  its abort word: 0, or s + 1 once rank s aborted (written by that peer's host, polled by this rank's
 //               kernels in the slow path of their waits: a kernel finds it at hostError + kAbortWordOffset),
 //   [136, 152)  the nvlink backend's elastic-ranks words (its proposal and barrier counter, nvlink_agree.hpp),
+//   [152, 176)  its process's identity (core/process_liveness.hpp), written at open(): a peer whose wait timed out
+//               can tell whether this rank's process is gone and name it as the likely cause (deadPeers()),
 //   [192, 512)  its note: what this rank says when it aborts (written by its host, read by its peers' hosts).
 // A rank whose call is refused (an argument check) writes its note and sets the abort word of every peer of its node;
 // their kernels stop waiting at their next slow poll and record "aborted by rank s", and their next call raises the
@@ -15,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "core/process_liveness.hpp"
 #include "epcomm/bootstrap.hpp"
 #include "epcomm/error.hpp"
 
@@ -23,6 +26,7 @@ namespace epcomm {
 constexpr uint64_t kAbortSlotBytes = 512;
 /// From the start of a rank's slot (its kernels' error record) to its abort word.
 constexpr uint64_t kAbortWordOffset = 128;
+constexpr uint64_t kAbortProcessOffset = 152;
 constexpr uint64_t kAbortNoteOffset = 192;
 constexpr uint32_t kAbortTextBytes = 280;
 
@@ -45,6 +49,7 @@ struct AbortNote {
   uint32_t seqEnd;
 };
 static_assert(kAbortNoteOffset + sizeof(AbortNote) <= kAbortSlotBytes, "an abort note fits its slot");
+static_assert(kAbortProcessOffset + sizeof(ProcessIdentity) <= kAbortNoteOffset, "a process identity fits its place");
 
 /// See the file comment. Not thread-safe: the object's caller thread only.
 class AbortBoard {
@@ -82,6 +87,16 @@ class AbortBoard {
   /// text>" and the code (an argument error of the peer becomes kPeerFailure; a timeout stays kTimeout).
   std::string describe(uint32_t sender, ErrorCode* code) const;
 
+  /// The peers sharing the page whose process is gone (exited, killed, or exiting: processState()), ascending. A
+  /// peer whose process this rank could not see at open() (another pid namespace, no /proc) is never named.
+  std::vector<uint32_t> deadPeers() const;
+  /// Whether peer r is one of deadPeers().
+  bool peerGone(uint32_t r) const;
+  /// `message` with the dead peers named as the likely cause of a failed wait, for an error of this rank's kernels:
+  /// "<message>; the process of rank 2 has exited (pid 4711): it is the likely cause". Unchanged when no peer is dead
+  /// or the message already says so (a peer's note that named it).
+  std::string blameDeadPeers(const std::string& message) const;
+
   static constexpr uint64_t kAbortPageHeader = 64;
 
  private:
@@ -89,7 +104,8 @@ class AbortBoard {
   uint64_t bytes_ = 0;
   uint32_t rank_ = 0, world_ = 0;
   std::vector<uint8_t> shared_;  // per rank: 1 when it maps this very page (its abort word reaches its kernels)
-  bool owned_ = false;           // page_ is mapped (shared or private): unmapped on destruction
+  std::vector<ProcessIdentity> processes_;  // per peer sharing the page: its process, if seen alive at open()
+  bool owned_ = false;                      // page_ is mapped (shared or private): unmapped on destruction
   uint32_t seq_ = 0;
   bool raised_ = false;
 };

@@ -40,12 +40,6 @@ TEST(NvlinkAgree, WordsAndText) {
   EXPECT_EQ(rankSet(0b1010, 4), "ranks 1, 3");
   EXPECT_EQ(rankSet(0b0100, 4), "rank 2");
   EXPECT_EQ(rankSet(0, 4), "no rank");
-  const ProcessId me = thisProcess();
-  EXPECT_EQ(processState(me), 1);
-  EXPECT_EQ(processState(ProcessId{}), -1);
-  ProcessId reused = me;
-  reused.startTicks += 1;
-  EXPECT_EQ(processState(reused), 0);
 }
 
 TEST(NvlinkAgree, IntersectionOfViewsAndDeadRanks) {

@@ -1,10 +1,6 @@
 #include "backends/nvlink/nvlink_agree.hpp"
 
-#include <unistd.h>
-
 #include <chrono>
-#include <cstdio>
-#include <cstring>
 #include <sstream>
 #include <thread>
 
@@ -19,37 +15,6 @@ int64_t nowMs() {
 }
 
 void pause() { std::this_thread::sleep_for(std::chrono::microseconds(50)); }
-
-// The state letter and start time (field 22) of /proc/<pid>/stat; false when it cannot be read.
-bool readStat(int64_t pid, char* state, uint64_t* start) {
-  char path[64];
-  std::snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
-  FILE* f = std::fopen(path, "r");
-  if (f == nullptr) return false;
-  char buf[1024];
-  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
-  std::fclose(f);
-  buf[n] = 0;
-  // The command name (field 2) is in parentheses and may hold spaces: fields 3.. start after the last ')'.
-  const char* p = std::strrchr(buf, ')');
-  if (p == nullptr) return false;
-  ++p;
-  int field = 2;
-  *state = 0;
-  *start = 0;
-  while (*p != 0) {
-    while (*p == ' ') ++p;
-    if (*p == 0) break;
-    ++field;
-    if (field == 3) *state = *p;
-    if (field == 22) {
-      *start = std::strtoull(p, nullptr, 10);
-      return true;
-    }
-    while (*p != 0 && *p != ' ') ++p;
-  }
-  return false;
-}
 
 }  // namespace
 
@@ -153,23 +118,6 @@ std::string rankSet(uint32_t mask, uint32_t world) {
   }
   if (n == 0) return "no rank";
   return (n == 1 ? "rank " : "ranks ") + oss.str();
-}
-
-ProcessId thisProcess() {
-  ProcessId id;
-  id.pid = static_cast<int64_t>(getpid());
-  char state = 0;
-  if (!readStat(id.pid, &state, &id.startTicks)) id.startTicks = 0;
-  return id;
-}
-
-int processState(const ProcessId& id) {
-  if (id.pid <= 0 || id.startTicks == 0) return -1;
-  char state = 0;
-  uint64_t start = 0;
-  if (!readStat(id.pid, &state, &start)) return 0;  // no such process (in this namespace: checked at setup)
-  if (start != id.startTicks) return 0;             // its pid was reused
-  return state == 'Z' || state == 'X' || state == 'x' ? 0 : 1;
 }
 
 }  // namespace nvlink

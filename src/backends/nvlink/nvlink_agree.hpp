@@ -68,16 +68,5 @@ class ElasticAgreement {
 /// Text of a mask's ranks: "ranks 0, 2" / "rank 1" / "no rank".
 std::string rankSet(uint32_t mask, uint32_t world);
 
-/// Liveness of the processes of a node. `publish()` is this process's identity (pid and start time); `alive()` of a
-/// peer's identity is false once that process is gone (no /proc entry, a zombie, or another process with its pid).
-/// Where a peer's process cannot be seen (another pid namespace), it is taken as alive: the timeout decides.
-struct ProcessId {
-  int64_t pid = 0;
-  uint64_t startTicks = 0;  ///< field 22 of /proc/<pid>/stat, 0 when unreadable
-};
-ProcessId thisProcess();
-/// 1: alive, 0: gone, -1: cannot tell.
-int processState(const ProcessId& id);
-
 }  // namespace nvlink
 }  // namespace epcomm

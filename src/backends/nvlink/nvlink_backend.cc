@@ -116,13 +116,12 @@ struct PeerInfo {
   uint32_t threads;
   int32_t device;
   uint64_t bytes;
-  nvlink::ProcessId process;  // elastic ranks: whether the rank's process is gone (nvlink_agree.hpp)
-  int32_t elastic;            // EPCOMM_ELASTIC, equal on every rank
+  int32_t elastic;  // EPCOMM_ELASTIC, equal on every rank
 };
 
-// Where a rank's elastic words live in its slot of the abort board: between its abort word and its note.
+// Where a rank's elastic words live in its slot of the abort board: between its abort word and its process identity.
 constexpr uint64_t kElasticWordsOffset = kAbortWordOffset + 8;
-static_assert(kElasticWordsOffset + 16 <= kAbortNoteOffset, "the elastic words fit between abort word and note");
+static_assert(kElasticWordsOffset + 16 <= kAbortProcessOffset, "the elastic words fit before the process identity");
 
 class NvlinkAllToAll final : public AllToAll {
  public:
@@ -182,7 +181,6 @@ class NvlinkAllToAll final : public AllToAll {
     mine.threads = geo_.threads;
     mine.device = device_;
     mine.bytes = geo_.totalBytes;
-    mine.process = nvlink::thisProcess();
     mine.elastic = envInt("EPCOMM_ELASTIC") != 0 ? 1 : 0;
     EPCOMM_CHECK_CUDA(cudaIpcGetMemHandle(&mine.handle, region_.get()));
     std::vector<PeerInfo> all(W);
@@ -210,7 +208,7 @@ class NvlinkAllToAll final : public AllToAll {
                    "ranks disagree on EPCOMM_ELASTIC: rank " << r << " has " << all[r].elastic << ", rank " << me << " "
                                                              << mine.elastic);
     }
-    openElastic(all, mine.elastic != 0);
+    openElastic(mine.elastic != 0);
     peers_.assign(nvlink::kMaxRanks, nullptr);
     peers_[me] = static_cast<char*>(region_.get());
     for (uint32_t r = 0; r < W; ++r) {
@@ -476,7 +474,10 @@ class NvlinkAllToAll final : public AllToAll {
             << " waiting for peer rank " << r->peer << " (flag " << r->a << ", expected " << r->b << ", block "
             << r->block << ")";
       }
-      failed_ = oss.str();
+      // A wait that timed out (here, or at the peer that gave this round up) often waited for a rank that waits
+      // itself for a rank whose process is gone: that one is named as the likely cause.
+      const bool badIndex = code == nvlink::kPhaseBadIndex;
+      failed_ = badIndex ? oss.str() : board_.blameDeadPeers(oss.str());
       if (code != nvlink::kPhasePeerAbort && config_.worldSize > 1) {
         board_.raise(kAbortFailed, dispatchSends_, failedCode_, failed_);
       }
@@ -487,7 +488,7 @@ class NvlinkAllToAll final : public AllToAll {
 
   uint32_t fullMask() const { return config_.worldSize >= 32 ? ~0u : (1u << config_.worldSize) - 1; }
   // Elastic ranks (nvlink_elastic.cc).
-  void openElastic(const std::vector<PeerInfo>& all, bool elastic);
+  void openElastic(bool elastic);
   bool lostToPeer(int32_t phase, uint32_t peer) const;
   [[noreturn]] void recoverFromLoss();
   void adoptView(uint32_t view);
@@ -538,12 +539,11 @@ class NvlinkAllToAll final : public AllToAll {
   nvlink::LaunchMarks marks_;  // the object's outstanding work, per stream (synchronize, destructor)
   std::string failed_;
   ErrorCode failedCode_ = ErrorCode::kInternal;
-  // Elastic ranks (docs/failures.md): the agreement over the abort board, the peers' processes, this rank's view of
-  // the active ranks (geo_.live while it takes part), whether it left, the masked indices of a dispatch and a combine
-  // (int32 [maxNumTokens][K] each, then the drop counter's two words) and the host-mapped drop count.
+  // Elastic ranks (docs/failures.md): the agreement over the abort board, this rank's view of the active ranks
+  // (geo_.live while it takes part), whether it left, the masked indices of a dispatch and a combine (int32
+  // [maxNumTokens][K] each, then the drop counter's two words) and the host-mapped drop count.
   bool elastic_ = false;
   std::unique_ptr<nvlink::ElasticAgreement> agree_;
-  std::vector<nvlink::ProcessId> processes_;
   uint32_t view_ = 0;
   bool left_ = false;
   nvlink::DeviceMemory maskScratch_;
@@ -551,24 +551,20 @@ class NvlinkAllToAll final : public AllToAll {
   uint64_t* hostDropsDev_ = nullptr;
 };
 
-// Elastic ranks: the words of every rank on the abort board, and which peers' processes this rank can watch.
-void NvlinkAllToAll::openElastic(const std::vector<PeerInfo>& all, bool elastic) {
+// Elastic ranks: the words of every rank on the abort board. A peer whose process the board sees gone leaves at once;
+// one it cannot see (another pid namespace) is taken as alive: the timeout decides.
+void NvlinkAllToAll::openElastic(bool elastic) {
   const uint32_t W = config_.worldSize;
   elastic_ = elastic;
   view_ = geo_.live;
-  processes_.resize(W);
   std::vector<uint64_t*> proposals(W), barriers(W);
   for (uint32_t r = 0; r < W; ++r) {
     if (r != config_.rank && !board_.sharedWith(r)) return;  // no shared page: no agreement (setActiveRanks refuses)
-    // A peer whose process this rank cannot see (another pid namespace) is taken as alive: the timeout decides.
-    processes_[r] =
-        r != config_.rank && nvlink::processState(all[r].process) == 1 ? all[r].process : nvlink::ProcessId{};
     proposals[r] = reinterpret_cast<uint64_t*>(board_.slot(r) + kElasticWordsOffset);
     barriers[r] = proposals[r] + 1;
   }
-  agree_ = std::make_unique<nvlink::ElasticAgreement>(
-      proposals, barriers, config_.rank, env().timeoutMs,
-      [this](uint32_t r) { return nvlink::processState(processes_[r]) != 0; });
+  agree_ = std::make_unique<nvlink::ElasticAgreement>(proposals, barriers, config_.rank, env().timeoutMs,
+                                                      [this](uint32_t r) { return !board_.peerGone(r); });
 }
 
 // Whether a kernel error is a round lost to a peer that elastic ranks recover from: a wait that timed out, or a peer

@@ -320,7 +320,10 @@ class NvshmemAllToAll final : public AllToAll {
         if (r->detail >= 0) oss << (code == nvshmem::kPhaseCombineRecv ? ", token " : ", chunk ") << r->detail;
         oss << ", block " << r->block << ")";
       }
-      failed_ = oss.str();
+      // A wait that timed out (here, or at the peer that gave this round up) often waited for a rank that waits
+      // itself for a rank whose process is gone: that one is named as the likely cause.
+      const bool badIndex = code == nvshmem::kPhaseBadIndex || code == nvshmem::kPhaseBadIndexCombine;
+      failed_ = badIndex ? oss.str() : board_.blameDeadPeers(oss.str());
       if (code != nvshmem::kPhasePeerAbort && config_.worldSize > 1) {
         board_.raise(kAbortFailed, dispatchSends_, failedCode_, failed_);
       }
