@@ -298,9 +298,9 @@ void ProxyChannel::exchangeCombine(DType yDtype) {
 
 void ProxyChannel::runExternal(const Job& job) {
   rethrowIfBroken();
+  std::exception_ptr lost;
   try {
-    const std::exception_ptr lost = runJob(job);
-    if (lost) std::rethrow_exception(lost);
+    lost = runJob(job);
   } catch (...) {
     const std::exception_ptr failure = std::current_exception();
     {
@@ -322,10 +322,15 @@ void ProxyChannel::runExternal(const Job& job) {
     }
     throw;
   }
+  if (lost) {
+    // Elastic: the round was lost to a peer's loss and the ranks agreed to go on (takeLostRound says so once).
+    lostRoundTaken_ = true;
+    std::rethrow_exception(lost);
+  }
   std::lock_guard<std::mutex> lock(mu_);
   if (job.kind == JobKind::kDispatch) {
     ++stats_.dispatchRounds;
-  } else {
+  } else if (job.kind == JobKind::kCombine) {
     ++stats_.combineRounds;
   }
 }

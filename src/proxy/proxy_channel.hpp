@@ -139,7 +139,8 @@ class ProxyChannel {
 
   /// externalDriver only: one dispatch exchange (what the proxy thread runs after postDispatch) on the calling
   /// thread; returns when the peers' tokens have landed and layout() is this round's. Throws what waitDispatch would
-  /// and records it (every later call rethrows).
+  /// and records it (every later call rethrows), except a round lost to a peer while the ranks agreed to go on
+  /// (elastic): then takeLostRound() is true once and the channel goes on (the next exchange is a dispatch).
   void exchangeDispatch();
   /// externalDriver only: one combine exchange of rows of dtype yDtype (packed with combineSendRows), on the calling
   /// thread; returns when every owner's rows have landed. Errors as exchangeDispatch.
@@ -169,12 +170,14 @@ class ProxyChannel {
   /// Collective over the active ranks (`mask`: W entries of 0 / 1, no rank made active again): the ranks active in
   /// `mask` agree on a new mask, the intersection of every participant's `mask` and of the ranks each one still hears
   /// from, and the next round runs with it; a rank whose own entry is 0 answers them and leaves (later calls on it
-  /// throw). Call between rounds. Blocks, each wait for a peer's answer bounded by the timeout (elastic: a peer that
-  /// does not answer is masked; else kTimeout and the channel is broken). Throws kInvalidArgument for a bad mask,
-  /// before anything is sent.
+  /// throw). Call between rounds; with externalDriver, while no exchange runs: the agreement runs on the calling
+  /// thread. Blocks, each wait for a peer's answer bounded by the timeout (elastic: a peer that does not answer is
+  /// masked; else kTimeout and the channel is broken). Throws kInvalidArgument for a bad mask, before anything is
+  /// sent.
   void setActiveRanks(const std::vector<uint8_t>& mask);
-  /// True once after waitDispatch / waitCombine threw because the round was lost to a peer's loss while the channel
-  /// goes on with the ranks that agreed (the round is over: the next call is a dispatch).
+  /// True once after waitDispatch / waitCombine (or exchangeDispatch / exchangeCombine) threw because the round was
+  /// lost to a peer's loss while the channel goes on with the ranks that agreed (the round is over: the next call is a
+  /// dispatch).
   bool takeLostRound();
   /// A copy of the counters.
   ChannelStats stats() const;

@@ -441,8 +441,6 @@ bool ProxyChannel::takeLostRound() {
 
 void ProxyChannel::setActiveRanks(const std::vector<uint8_t>& mask) {
   rethrowIfBroken();
-  EPCOMM_CHECK(thread_.joinable(), kUnavailable,
-               "host/proxy rank " << rank_ << ": setActiveRanks needs the channel's own proxy thread");
   const std::vector<uint8_t> current = activeRanks();
   EPCOMM_CHECK(mask.size() == world_, kInvalidArgument,
                "setActiveRanks: the mask has " << mask.size() << " entries for " << world_ << " ranks");
@@ -458,8 +456,12 @@ void ProxyChannel::setActiveRanks(const std::vector<uint8_t>& mask) {
   }
   EPCOMM_CHECK(any, kInvalidArgument, "setActiveRanks: the mask leaves no rank active");
   Job job{JobKind::kAgree, ++postedSeq_, round_, false, DType::kInvalid, mask};
-  post(job);
-  waitJob(job.seq, "setActiveRanks");
+  if (thread_.joinable()) {
+    post(job);
+    waitJob(job.seq, "setActiveRanks");
+  } else {
+    runExternal(job);  // the caller's thread is the exchanging one (no exchange runs meanwhile)
+  }
   if (selfMasked_.load()) {
     // It left: every later call says so.
     std::lock_guard<std::mutex> lock(mu_);

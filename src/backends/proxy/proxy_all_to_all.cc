@@ -15,6 +15,7 @@
 
 #include "backends/backends.hpp"
 #include "backends/proxy/proxy_args.hpp"
+#include "backends/proxy/proxy_impl.hpp"
 #include "backends/proxy/proxy_kernels.hpp"
 #include "backends/proxy/proxy_local.hpp"
 #include "backends/proxy/proxy_trace.hpp"
@@ -69,66 +70,6 @@ const char* kernelPhaseName(int32_t phase) {
 
 }  // namespace
 
-struct ProxyAllToAll::Impl {
-  Impl(const Config& config, Bootstrap& bootstrap, const proxy::ChannelOptions& options);
-  ~Impl() { release(); }
-
-  void release();
-  void proxyLoop();
-  // Waits for the device's flag of step `step` (2 x round, + 1 for a combine); meanwhile sends this rank's refusal of
-  // that step (refused()), if any.
-  bool waitDevice(const uint64_t* word, uint64_t want, uint64_t step);
-  // A call whose send half was refused (`e`, nothing launched): the proxy thread tells the peers (noticeRefused) once
-  // it waits for that step, i.e. after the exchanges of every step before it (their round numbers are the channel's).
-  void refused(bool doSend, bool combine, const Error& e);
-  void sendRefusal(uint64_t step);
-  // The first error of this rank's kernels (checkUsable): the proxy thread tells the peers (noticeAbandoned) at its
-  // next wait for the device, so that their waits for this rank end at once.
-  void sendFailure();
-  void checkUsable();
-  KernelContext context() const;
-
-  Config config;
-  Bootstrap* boot = nullptr;  // for the collective teardown of the NVLink regions (outlives the object)
-  int device = -1;
-  uint32_t blocks = 1;
-  uint32_t localSize = 1;
-  LocalGeometry lg{};  // same-node peers over NVLink (lg.size 0: none)
-  LocalPeers local;
-  std::string path;
-  std::unique_ptr<proxy::ProxyChannel> channel;
-  proxy::ProtocolSizes sizes;
-  TableGeometry tg{};
-  ScratchGeometry sg{};
-  std::vector<void*> pinned;  // the channel's buffers, registered with cudaHostRegister
-  ChannelView view{};
-  Mailbox* mailbox = nullptr;  // host pointer (mapped)
-  Mailbox* mailboxDev = nullptr;
-  uint32_t* tables = nullptr;  // host pointer (mapped)
-  TraceRound* trace = nullptr;
-  TraceRound* traceDev = nullptr;
-  int64_t clockLo = 0, clockHi = 0;
-  uint8_t* scratch = nullptr;
-  CallOrder order;
-  int32_t combineSendType = -1;  // expertY of the last combine send half (the receive half reads rows of it)
-
-  std::thread thread;
-  std::atomic<bool> stop{false};
-  std::atomic<uint64_t> roundsServed{0};
-  uint64_t traceRound = 0;     // proxy thread only: the round being stamped
-  uint64_t dispatchSends = 0;  // dispatch send halves launched (caller's thread)
-  // A refused call for the proxy thread to tell the peers about (under mu): step as in waitDevice.
-  std::atomic<bool> refusalPending{false};
-  uint64_t refusalStep = 0;
-  std::string refusalMessage;
-  std::atomic<bool> failurePending{false};
-  std::string failureMessage;  // under mu
-  std::mutex mu;
-  std::exception_ptr proxyError;  // the proxy thread's failure, rethrown by the next call
-  std::string failed;             // once set, every call throws it
-  ErrorCode failedCode = ErrorCode::kInternal;
-};
-
 ProxyAllToAll::Impl::Impl(const Config& c, Bootstrap& bootstrap, const proxy::ChannelOptions& options)
     : config(c), boot(&bootstrap), order("proxy", c.rank, false) {
   config.validate();
@@ -181,7 +122,16 @@ ProxyAllToAll::Impl::Impl(const Config& c, Bootstrap& bootstrap, const proxy::Ch
         (phase == proxy::Phase::kHead ? r.proxyPosted : r.combPosted) = hostNowNs();
       };
     }
+    // Elastic ranks (EPCOMM_ELASTIC=1, as the host backend): a peer lost mid-round is masked once the others agree.
+    if (opts.elastic < 0) opts.elastic = envInt("EPCOMM_ELASTIC") != 0 ? 1 : 0;
     channel = std::make_unique<proxy::ProxyChannel>(config, bootstrap, opts);
+    // Every rank agreed on elastic (the channel checks it) and on the ranks per node: all refuse here together.
+    EPCOMM_CHECK(!channel->elastic() || localSize <= 1, kUnavailable,
+                 "proxy backend: elastic ranks (EPCOMM_ELASTIC=1) need every peer over the fabric, but "
+                     << localSize
+                     << " ranks per node exchange entries and combine rows over NVLink (CUDA IPC), whose kernels "
+                        "wait for every node peer and cannot skip a masked one; set EPCOMM_PROXY_LOCAL_SIZE=1 or "
+                        "leave EPCOMM_ELASTIC unset (docs/proxy.md, \"Elastic ranks\")");
     sizes = channel->sizes();
     tg = tableGeometry(sizes);
     lg = localGeometry(sizes, localSize, c.rank);
@@ -290,7 +240,7 @@ ProxyAllToAll::Impl::Impl(const Config& c, Bootstrap& bootstrap, const proxy::Ch
       if (best < 0) clockLo = clockHi = 0;  // the probe never answered: the cross-clock rows stay raw
     }
     EPCOMM_CHECK_CUDA(cudaDeviceSynchronize());
-    thread = std::thread([this] { proxyLoop(); });
+    startProxy();
     EPCOMM_LOG(kInfo, "proxy backend: device " << device << ", " << blocks << " blocks, provider "
                                                << channel->providerName() << ", " << path << ", local size "
                                                << localSize << ", " << config.toString());
@@ -344,7 +294,7 @@ bool ProxyAllToAll::Impl::waitDevice(const uint64_t* word, uint64_t want, uint64
       }
       return true;
     }
-    if (stop.load(std::memory_order_relaxed)) return false;
+    if (stop.load(std::memory_order_relaxed) || pause.load(std::memory_order_relaxed)) return false;
     if ((i & 255) != 255) {
       cpuRelax();
       continue;
@@ -392,24 +342,41 @@ void ProxyAllToAll::Impl::sendFailure() {
   channel->noticeAbandoned("its object failed: " + message);
 }
 
+template <typename Exchange>
+bool ProxyAllToAll::Impl::exchangeOrLose(Exchange exchange) {
+  try {
+    exchange();
+    return true;
+  } catch (const Error&) {
+    if (!channel->takeLostRound()) throw;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      lostRound = std::current_exception();
+    }
+    __atomic_store_n(&mailbox->abort, 1, __ATOMIC_RELEASE);
+    return false;
+  }
+}
+
 void ProxyAllToAll::Impl::proxyLoop() {
-  uint64_t round = 0;
+  uint64_t& round = proxyRound;
   try {
     for (;;) {
       traceRound = round;
       if (!waitDevice(&mailbox->dispatchReady, round + 1, 2 * round)) return;
       if (trace != nullptr) trace[round % kTraceRounds].proxySeen = hostNowNs();
-      channel->exchangeDispatch();
+      if (!exchangeOrLose([&] { channel->exchangeDispatch(); })) return;
       writeTables(channel->layout(), tg, config.rank, lg.size > 0, tables);
       if (trace != nullptr) trace[round % kTraceRounds].proxyArrived = hostNowNs();
       storeRelease(&mailbox->dispatchArrived, round + 1);
       if (!waitDevice(&mailbox->combineReady, round + 1, 2 * round + 1)) return;
       if (trace != nullptr) trace[round % kTraceRounds].combSeen = hostNowNs();
       const int32_t type = __atomic_load_n(&mailbox->combineType, __ATOMIC_ACQUIRE);
-      channel->exchangeCombine(combineDtype(type));
+      if (!exchangeOrLose([&] { channel->exchangeCombine(combineDtype(type)); })) return;
       if (trace != nullptr) trace[round % kTraceRounds].combArrived = hostNowNs();
       storeRelease(&mailbox->combineArrived, round + 1);
-      roundsServed = ++round;
+      ++round;
+      roundsServed.fetch_add(1);
     }
   } catch (...) {
     // Never let an exception escape the thread: the next call on the object rethrows it; the kernels waiting for
@@ -424,6 +391,12 @@ void ProxyAllToAll::Impl::proxyLoop() {
 
 void ProxyAllToAll::Impl::checkUsable() {
   if (failed.empty()) {
+    std::exception_ptr lost;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      lost.swap(lostRound);
+    }
+    if (lost) recoverFromLoss(lost);
     std::exception_ptr err;
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -466,7 +439,7 @@ void ProxyAllToAll::Impl::checkUsable() {
       case kPhaseLocalDispatch:
       case kPhaseLocalCombine:
         failedCode = ErrorCode::kTimeout;
-        oss << "timed out after " << 2 * channel->timeoutMs() << " ms in phase " << kernelPhaseName(code)
+        oss << "timed out after " << 2 * kernelWaitMs() << " ms in phase " << kernelPhaseName(code)
             << " waiting for rank " << r->peer << " (round " << r->b << ", its flag says " << r->a
             << "; the proxy thread reported no error)";
         break;
@@ -477,7 +450,7 @@ void ProxyAllToAll::Impl::checkUsable() {
         break;
       default:
         failedCode = ErrorCode::kTimeout;
-        oss << "timed out after " << 2 * channel->timeoutMs() << " ms in phase " << kernelPhaseName(code) << " (round "
+        oss << "timed out after " << 2 * kernelWaitMs() << " ms in phase " << kernelPhaseName(code) << " (round "
             << r->b << ", announced " << r->a << "; the proxy thread reported no error)";
         break;
     }
@@ -499,7 +472,7 @@ KernelContext ProxyAllToAll::Impl::context() const {
   ctx.st.scratch = scratch;
   ctx.st.mailbox = mailboxDev;
   ctx.st.trace = traceDev;
-  ctx.st.timeoutNs = static_cast<uint64_t>(channel->timeoutMs()) * 1000000ull;
+  ctx.st.timeoutNs = static_cast<uint64_t>(kernelWaitMs()) * 1000000ull;
   ctx.st.sg = sg;
   ctx.st.lg = lg;
   ctx.st.localMine = local.mine();

@@ -8,8 +8,10 @@
 // docs/proxy.md has the design.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "epcomm/all_to_all.hpp"
 #include "proxy/proxy_channel.hpp"
@@ -33,6 +35,14 @@ class ProxyAllToAll final : public AllToAll {
   const Config& config() const override;
   const char* backendName() const override { return "proxy"; }
   uint64_t bufferBytes() const override;
+  /// Elastic ranks (docs/proxy.md, "Elastic ranks"): the proxy channel's mask. With EPCOMM_ELASTIC=1 a peer lost
+  /// mid-round is masked once the others agree: the call that finds the round lost throws, the object goes on from the
+  /// next dispatch. Needs every peer over the fabric: with same-node peers over NVLink (EPCOMM_PROXY_LOCAL_SIZE > 1)
+  /// creation with EPCOMM_ELASTIC=1 and setActiveRanks throw kUnavailable.
+  std::vector<int32_t> activeRanks() const override;
+  /// Between rounds: waits for this object's kernels (cudaDeviceSynchronize), then agrees on the mask with the others.
+  void setActiveRanks(const std::vector<int32_t>& mask) override;
+  uint64_t droppedTokens() const override;
 
   /// Fabric operations issued so far, per peer.
   proxy::ChannelStats stats() const;

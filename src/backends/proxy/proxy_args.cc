@@ -97,6 +97,12 @@ void writeTables(const proxy::RoundLayout& lay, const TableGeometry& tg, uint32_
     t[tg.offRecvStart + p] = p == me && !ownRowsInRegion ? 0u : static_cast<uint32_t>(lay.combineRecvStart(p));
   }
   for (uint32_t gg = 0; gg < G; ++gg) t[tg.offSendDest + gg] = static_cast<uint32_t>(lay.combineRecvStartIn(gg, me));
+  uint32_t numMasked = 0;
+  for (uint32_t r = 0; r < W; ++r) {
+    t[tg.offMasked + 1 + r] = lay.isActive(r) ? 0u : 1u;
+    numMasked += lay.isActive(r) ? 0u : 1u;
+  }
+  t[tg.offMasked] = numMasked;
   for (uint32_t e = 0; e < E; ++e) {
     uint64_t base = lay.combineExpertStart(e);
     for (uint32_t d = 0; d < D; ++d) {

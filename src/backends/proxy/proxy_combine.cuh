@@ -159,7 +159,9 @@ __device__ __forceinline__ void unpack16(const int4 v, float* f) {
 // block per slice of the row at a time) and each element, out = (accumulate ? out : 0) + sum_k w[t,k] * y(t,k) in fp32,
 // k ascending, each product and sum rounded separately (no FMA: the reference's operations), rounded once to the output
 // type. y(t,k) is the row of (t, k) in its owner's message: rowBase[d][e] (the owner's rows of e from the group's
-// senders before d) + the row the dispatch gave (t, k) among its sender's rows of e (the route kernel's pos).
+// senders before d) + the row the dispatch gave (t, k) among its sender's rows of e (the route kernel's pos). Elastic
+// ranks: a position whose token's sender or expert's rank is masked (the round's tables) has no term and is counted as
+// dropped.
 constexpr uint32_t kTermBatch = 8;
 
 template <int kY, int kOut>
@@ -190,6 +192,8 @@ __global__ void __launch_bounds__(kSumThreads) combineRecvKernel(const CombineRe
   for (uint32_t i = threadIdx.x; i < W; i += blockDim.x) recvStart[i] = tables[tg.offRecvStart + i];
   __syncthreads();
   const uint64_t* pos = reinterpret_cast<const uint64_t*>(st.scratch + st.sg.offPos);
+  const uint32_t* masked = maskedWords(st, tg);  // elastic ranks: this round's mask
+  const bool anyMasked = masked[0] != 0;
   const uint32_t H = a.hidden;
   const uint64_t rowBytes = static_cast<uint64_t>(H) * itemOf<kY>();
   const uint32_t bound = effectiveBound(a.boundM, a.m);
@@ -213,6 +217,11 @@ __global__ void __launch_bounds__(kSumThreads) combineRecvKernel(const CombineRe
       if (e < -1 || e >= static_cast<int64_t>(E)) {
         recordError(st, kPhaseCombineBadIndex, static_cast<int32_t>(me), -1, t,
                     (static_cast<int64_t>(k) << 32) | static_cast<uint32_t>(static_cast<int32_t>(e)), false);
+        e = -1;
+      }
+      if (e >= 0 && anyMasked && droppedByMask(masked, me / D, t, D, static_cast<uint32_t>(e), L)) {
+        // Elastic ranks: left out of the sum (the other weights stay as they are), counted once per position.
+        if (h0Begin == 0) atomicAdd(reinterpret_cast<unsigned long long*>(st.scratch + st.sg.offDropped), 1ull);
         e = -1;
       }
       if (e >= 0) {
@@ -288,6 +297,11 @@ __global__ void __launch_bounds__(kSumThreads) combineRecvKernel(const CombineRe
   }
   lastBlock(st, kSeqCombineRecv, [&] {
     *seqWord(st, kSeqCombineRecv) = round + 1;
+    if (anyMasked) {
+      // Every block's drops are in (lastBlock's fences): the total for droppedTokens.
+      *reinterpret_cast<volatile unsigned long long*>(&st.mailbox->dropped) =
+          atomicAdd(reinterpret_cast<unsigned long long*>(st.scratch + st.sg.offDropped), 0ull);
+    }
     stamp(st, round, &TraceRound::sumEnd);
   });
 }

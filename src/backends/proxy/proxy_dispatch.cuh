@@ -12,7 +12,8 @@ namespace {
 // ---- Dispatch send -----------------------------------------------------------------------------------------------
 
 // One block of kRankThreads. Checks every index of the tokens < bound (every rank of a DP group checks the same
-// tokens); writes the group tokens' experts (deduplicated, -1 masked) and, per (group sender d, expert e), the row of
+// tokens); writes the group tokens' experts (deduplicated, -1 for none: masked by the caller, or by the active-ranks
+// mask of elastic ranks) and, per (group sender d, expert e), the row of
 // each (token, k) among d's rows of e (combine finds its rows with them); for this rank's own tokens, the entry index
 // of each (token, owner) in the owner's send slot; and the head (expertCounts, entryCounts) into every send slot.
 __global__ void __launch_bounds__(kRankThreads) dispatchRouteKernel(const DispatchSendArgs a) {
@@ -36,6 +37,9 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRouteKernel(const Dispat
   };
   // 1. Experts of every (t, k) of the call's maxNumTokens rows: masked, repeated, out of range (recorded) and rows
   //    >= bound are -1. pos / entryOf are cleared for all of them (a later combine reads them for its own rows).
+  //    Elastic ranks: the last round's mask (TableGeometry::offMasked).
+  const uint32_t* masked = maskedWords(st, a.tg);
+  const bool anyMasked = masked[0] != 0;
   for (uint32_t i = threadIdx.x; i < T * K; i += blockDim.x) {
     const uint32_t t = i / K, k = i % K;
     int64_t e = -1;
@@ -46,6 +50,8 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRouteKernel(const Dispat
                     (static_cast<int64_t>(k) << 32) | static_cast<uint32_t>(static_cast<int32_t>(e)), false);
         e = -1;
       }
+      // Elastic ranks: a masked sender's or owner's position is dropped (a repeat of it at j < k is dropped too).
+      if (e >= 0 && anyMasked && droppedByMask(masked, me / D, t, D, static_cast<uint32_t>(e), L)) e = -1;
       for (uint32_t j = 0; j < k && e >= 0; ++j) {
         if (load(t, j) == e) e = -1;  // delivered once, at its first position
       }

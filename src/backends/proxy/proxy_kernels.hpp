@@ -68,8 +68,11 @@ struct Mailbox {
   // Proxy -> kernels.
   alignas(64) uint64_t dispatchArrived;  ///< rounds whose peers' tokens are in and whose tables are written
   uint64_t combineArrived;               ///< rounds whose owners' rows are in
-  int32_t abort;                         ///< 1: the proxy failed (the next API call throws); kernels stop waiting
-  alignas(64) ErrorRecord error;         ///< written by the first failing kernel
+  int32_t abort;  ///< 1: the proxy failed or lost the round (the next API call throws); kernels stop waiting
+  alignas(64) ErrorRecord error;  ///< written by the first failing kernel
+  /// Elastic ranks: combine positions left out because their rank was masked, so far (the combine receive's last
+  /// block copies the device total here; droppedTokens reads it).
+  alignas(64) uint64_t dropped;
 };
 
 /// Geometry of the per-round tables (u32 words, host-mapped, written by the proxy before dispatchArrived):
@@ -84,10 +87,17 @@ struct Mailbox {
 ///                         the NVLink path at its combine receive offset in this rank's region)
 ///   rowBase[D][E]         combine: row of the first token of group sender d for expert e in owner e / L's message
 ///   sendDest[G]           combine: where this rank's message lands in a combine receive buffer of group g (rows)
+///   masked[1 + W]         elastic ranks: [0] the number of masked ranks, [1 + r] 1 when rank r is masked (the mask
+///                         the round's RoundLayout was built with; all 0 while every rank is active)
+///
+/// Elastic ranks: the route kernel and the combine receive drop the positions whose token's sending rank or whose
+/// expert's rank is masked, as the host backend and the CPU reference do. Both read `masked` from the device copy of
+/// the tables (ScratchGeometry::offTables): the combine receive its own round's, the route kernel the last round's
+/// (the mask changes between rounds only; after an agreement that no round carried, the host writes the copy).
 struct TableGeometry {
   uint32_t W, L, G, D, E;
   uint32_t offEntries, offEntryStart, offOverflowStart, offSlotOffset, offOutputRowBase, offLocalRows, offSendCum,
-      offRecvStart, offRowBase, offSendDest, words;
+      offRecvStart, offRowBase, offSendDest, offMasked, words;
 };
 inline TableGeometry tableGeometry(const proxy::ProtocolSizes& s) {
   TableGeometry t{};
@@ -117,6 +127,8 @@ inline TableGeometry tableGeometry(const proxy::ProtocolSizes& s) {
   at += t.D * t.E;
   t.offSendDest = at;
   at += t.G;
+  t.offMasked = at;
+  at += 1 + t.W;
   t.words = at;
   return t;
 }
@@ -188,6 +200,7 @@ struct ScratchGeometry {
   /// combine send kernel own rows (the message to this rank's group, from row 0), and the receive kernels read them.
   uint64_t offOwnEntries;  ///< [maxSendTokens entries]
   uint64_t offOwnRows;     ///< [maxNumTokens * min(K, L) rows][combineRowBytesMax]
+  uint64_t offDropped;     ///< u64: elastic ranks, combine positions dropped so far (device total)
   uint64_t bytes;
 };
 inline ScratchGeometry scratchGeometry(const proxy::ProtocolSizes& s, uint32_t maxNumTokens, uint32_t localSize = 0) {
@@ -231,6 +244,8 @@ inline ScratchGeometry scratchGeometry(const proxy::ProtocolSizes& s, uint32_t m
   at = align(at + (own ? static_cast<uint64_t>(s.maxSendTokens) * s.entryBytes : 0));
   g.offOwnRows = at;
   at = align(at + (own ? static_cast<uint64_t>(maxNumTokens) * s.maxLocalPerEntry * s.combineRowBytesMax : 0));
+  g.offDropped = at;
+  at = align(at + 8);
   g.bytes = at;
   return g;
 }

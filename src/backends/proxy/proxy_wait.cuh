@@ -233,6 +233,17 @@ __device__ __forceinline__ uint32_t effectiveBound(const int32_t* boundM, uint32
   return static_cast<uint32_t>(b) < m ? static_cast<uint32_t>(b) : m;
 }
 
+// Elastic ranks: the tables' masked words (TableGeometry::offMasked) in the device copy: [0] how many, [1 + r] rank r.
+__device__ __forceinline__ const uint32_t* maskedWords(const DeviceState& st, const TableGeometry& tg) {
+  return deviceTables(st) + tg.offMasked;
+}
+// Whether position (t, e) of a token of DP group `group` is dropped under `masked` (maskedWords): its sending rank
+// (tokenSender) or its expert's rank (expertOwner) is masked.
+__device__ __forceinline__ bool droppedByMask(const uint32_t* masked, uint32_t group, uint32_t t, uint32_t dpSize,
+                                              uint32_t e, uint32_t numLocalExperts) {
+  return masked[1 + tokenSender(group, t, dpSize)] != 0 || masked[1 + expertOwner(e, numLocalExperts)] != 0;
+}
+
 __device__ __forceinline__ uint32_t laneId() { return threadIdx.x & 31; }
 __device__ __forceinline__ uint32_t warpId() { return threadIdx.x >> 5; }
 
