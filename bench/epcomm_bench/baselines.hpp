@@ -1,6 +1,6 @@
 // The baselines epcomm-bench prints beside each backend's times: NCCL's all-to-all of the dispatch's bytes (GPU
-// backends), and a dense all-to-all of the same bytes over the TransferEngine (backends built on a fabric: host,
-// proxy; the host rows have no other, as NCCL needs GPUs).
+// backends), and a dense all-to-all over the TransferEngine of the dispatch's and of the combine's bytes (backends
+// built on a fabric: host, proxy; the host rows have no other, as NCCL needs GPUs).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -114,8 +114,9 @@ void Bench::run() {
     if (gpu_ && !nccl_->available()) notes.push_back("nccl: not measured, " + nccl_->whyNot());
     if (!gpu_) {
       notes.push_back(
-          "host: no NCCL; the a2a column is the baseline: a dense all-to-all of the same bytes (one write "
-          "with immediate to every peer, wait for every peer's) over the same fabric provider");
+          "host: no NCCL; the baselines are a2a.d and a2a.c: a dense all-to-all of the dispatch's and of the "
+          "combine's bytes (one write with immediate to every peer, wait for every peer's) over the same fabric "
+          "provider; vs.a2a = (dispatch + combine) / (a2a.d + a2a.c)");
     }
     report_->header(notes);
   }
@@ -225,9 +226,10 @@ void Bench::runOne(const std::string& name, uint32_t T) {
   eager.cSend = tm.agree(s[2]);
   eager.cRecv = tm.agree(s[3]);
 
-  // The baselines move the dispatch's bytes: per peer the tokens with at least one expert there (pplx: one copy per
-  // expert there).
+  // The dispatch's bytes: per peer the tokens with at least one expert there (pplx: one copy per expert there). The
+  // combine's: per peer one row of expertY's dtype per (token, expert) pair of the peer's group routed here.
   const std::vector<uint64_t> perPeer = in.bytesPerPeer(c, false), perPeerPplx = in.bytesPerPeer(c, true);
+  const std::vector<uint64_t> perPeerCombine = in.combineBytesPerPeer(c, dtypeSize(cb.expertY.dtype));
   if (gpu_) {
     phase(name, T, "nccl");
     eager.nccl = nccl_->time(tm, stream_, perPeer, iters, warm);
@@ -259,13 +261,17 @@ void Bench::runOne(const std::string& name, uint32_t T) {
     cudaGraphDestroy(gd);
     cudaGraphDestroy(gc);
   }
-  // Backends built on a fabric (host, proxy): the dense all-to-all of the same bytes over the same provider.
+  // Backends built on a fabric (host, proxy): the dense all-to-all of each half's bytes over the same provider.
   TransferStats st = transferStats(*a2a);
   std::string provider;
   if (st.available) {
-    phase(name, T, "fabric a2a");
-    eager.fabricA2a = fabricA2aTime(bs_, tm, perPeer, name + " T=" + std::to_string(T), iters, warm, &provider);
-    graph.fabricA2a = eager.fabricA2a;
+    const std::string label = name + " T=" + std::to_string(T);
+    phase(name, T, "fabric a2a of the dispatch's bytes");
+    eager.a2aDispatch = fabricA2aTime(bs_, tm, perPeer, label + " dispatch bytes", iters, warm, &provider);
+    phase(name, T, "fabric a2a of the combine's bytes");
+    eager.a2aCombine = fabricA2aTime(bs_, tm, perPeerCombine, label + " combine bytes", iters, warm, &provider);
+    graph.a2aDispatch = eager.a2aDispatch;
+    graph.a2aCombine = eager.a2aCombine;
     if (rank_ == 0 && !provider.empty() && provider != st.provider) {
       std::fprintf(stderr, "note %s T=%u: the a2a baseline runs on provider %s, the %s backend on %s\n", name.c_str(),
                    T, provider.c_str(), backend.c_str(), st.provider.c_str());
@@ -275,20 +281,22 @@ void Bench::runOne(const std::string& name, uint32_t T) {
   st = transferStats(*a2a);
 
   // Bytes crossing between ranks per direction, averaged over ranks (for GB/s).
-  uint64_t bytesRank = 0, bytesPplx = 0, sumBytes = 0, combineBytes = 0;
-  const uint64_t tokBytes = c.hiddenDimBytes + c.hiddenDimScaleBytes;
+  uint64_t mine[2] = {0, 0}, bytesPplx = 0;  // this rank's dispatch and combine bytes
   for (int p = 0; p < world_; ++p) {
-    bytesRank += perPeer[p];
+    mine[0] += perPeer[p];
+    mine[1] += perPeerCombine[p];
     bytesPplx += perPeerPplx[p];
-    combineBytes += perPeer[p] / tokBytes * c.hiddenDim * 2;
   }
-  std::vector<uint64_t> all(world_);
-  bs_.allGather(&bytesRank, all.data(), sizeof(uint64_t));
-  for (uint64_t b : all) sumBytes += b;
+  std::vector<uint64_t> all(2 * static_cast<size_t>(world_));
+  bs_.allGather(mine, all.data(), sizeof(mine));
+  double sum[2] = {0, 0};
+  for (int r = 0; r < world_; ++r) {
+    sum[0] += static_cast<double>(all[2 * r]);
+    sum[1] += static_cast<double>(all[2 * r + 1]);
+  }
   if (report_) {
-    RowInfo r{
-        backend, name, c, T, false, static_cast<double>(sumBytes) / world_, bytesPplx, combineBytes, a2a->bufferBytes(),
-        provider};
+    RowInfo r{backend, name, c, T, false, sum[0] / world_, bytesPplx, sum[1] / world_, mine[1], a2a->bufferBytes(),
+              provider};
     report_->row(r, eager);
     if (gpu_) {
       r.graph = true;

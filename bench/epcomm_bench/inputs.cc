@@ -12,6 +12,12 @@
 
 namespace epcomm {
 namespace bench {
+namespace {
+
+// Seed of DP group g's routing: the ranks of one group route alike, the groups differently.
+uint64_t routingSeed(uint32_t group) { return 12345 + group; }
+
+}  // namespace
 
 void* Inputs::alloc(size_t bytes) {
   void* p = nullptr;
@@ -57,7 +63,7 @@ Inputs::Inputs(const Config& c, uint32_t T, bool device, cudaStream_t stream) : 
   const int64_t xCols = c.hiddenDimBytes / dtypeSize(xType);
   // One DP group's tokens are identical on its ranks.
   const uint32_t group = c.dpGroup();
-  indices = reference::randomIndices(c, T, 12345 + group);
+  indices = reference::randomIndices(c, T, routingSeed(group));
   std::mt19937 rng(777 + group);
   std::vector<uint8_t> xh(static_cast<size_t>(T) * c.hiddenDimBytes);
   for (auto& b : xh) b = static_cast<uint8_t>(rng() & 0x7f);
@@ -120,6 +126,20 @@ std::vector<uint64_t> Inputs::bytesPerPeer(const Config& c, bool perExpert) cons
       if (perExpert || !seen[owner]) out[owner] += tokBytes;
       seen[owner] = true;
     }
+  }
+  return out;
+}
+
+std::vector<uint64_t> Inputs::combineBytesPerPeer(const Config& c, uint64_t elemBytes) const {
+  const uint32_t W = c.worldSize, K = c.expertsPerToken, L = c.numLocalExperts(), D = c.dpSize, rank = c.rank;
+  const uint64_t rowBytes = static_cast<uint64_t>(c.hiddenDim) * elemBytes;
+  std::vector<uint64_t> out(W, 0);
+  for (uint32_t g = 0; g < c.numDpGroups(); ++g) {
+    // Group g's routing as its ranks generate it (this rank's group: the indices at hand).
+    const std::vector<int32_t> idx = g == c.dpGroup() ? indices : reference::randomIndices(c, tokens_, routingSeed(g));
+    uint64_t rows = 0;
+    for (size_t i = 0; i < static_cast<size_t>(tokens_) * K; ++i) rows += static_cast<uint32_t>(idx[i]) / L == rank;
+    for (uint32_t q = g * D; q < (g + 1) * D; ++q) out[q] = q == rank ? 0 : rows * rowBytes;
   }
   return out;
 }

@@ -31,6 +31,10 @@ class Inputs {
   /// Bytes this rank sends each peer in the dispatch: the tokens it sends with at least one expert there
   /// (`perExpert`: once per expert there, as pplx-kernels count).
   std::vector<uint64_t> bytesPerPeer(const Config& c, bool perExpert) const;
+  /// Bytes this rank sends each peer in the combine, as the host and proxy backends send them (docs/protocol.md,
+  /// combine-send): as an expert owner, to every rank of DP group g one row of hiddenDim elements of `elemBytes` per
+  /// (token, expert) pair of g's tokens whose expert lives on this rank. Its own entry is 0 (no fabric traffic).
+  std::vector<uint64_t> combineBytesPerPeer(const Config& c, uint64_t elemBytes) const;
 
  private:
   void* alloc(size_t bytes);

@@ -47,7 +47,20 @@ std::string nowUtc() {
   return date;
 }
 
-const char* kRowFormat = "%-8s %6s %5s | %9s %9s | %8s %8s %8s %8s | %8s %8s | %8s %9s %8s | %8s %8s\n";
+const char* kRowFormat = "%-8s %6s %5s | %9s %9s | %8s %8s %8s %8s | %8s %8s | %8s %9s | %8s %8s %6s | %8s %8s\n";
+
+// (dispatch + combine) / (a2a.d + a2a.c): the target's measure; -1 where a time is missing.
+double vsA2a(const Measurement& m) {
+  if (m.dispatch < 0 || m.combine < 0 || m.a2aDispatch <= 0 || m.a2aCombine <= 0) return -1;
+  return (m.dispatch + m.combine) / (m.a2aDispatch + m.a2aCombine);
+}
+
+std::string ratio(double v) {
+  if (v < 0) return "n/a";
+  char b[32];
+  std::snprintf(b, sizeof(b), "%.2f", v);
+  return b;
+}
 
 }  // namespace
 
@@ -82,7 +95,7 @@ void Report::header(const std::vector<std::string>& notes) {
       "# times in us (median, max over ranks); GB/s = cross-rank payload bytes per rank per direction / time\n");
   for (const std::string& n : notes) std::printf("# %s\n", n.c_str());
   std::printf(kRowFormat, "config", "tokens", "graph", "dispatch", "combine", "d.send", "d.recv", "c.send", "c.recv",
-              "d.dev", "c.dev", "nccl", "nccl.pplx", "a2a", "d.GB/s", "c.GB/s");
+              "d.dev", "c.dev", "nccl", "nccl.pplx", "a2a.d", "a2a.c", "vs.a2a", "d.GB/s", "c.GB/s");
   std::fflush(stdout);
 }
 
@@ -121,8 +134,8 @@ void Report::row(const RowInfo& r, const Measurement& m) {
   std::printf(kRowFormat, r.config.c_str(), std::to_string(r.tokens).c_str(), g ? "yes" : "no", num(m.dispatch).c_str(),
               num(m.combine).c_str(), g ? "-" : num(m.dSend).c_str(), g ? "-" : num(m.dRecv).c_str(),
               g ? "-" : num(m.cSend).c_str(), g ? "-" : num(m.cRecv).c_str(), num(m.dDev).c_str(), num(m.cDev).c_str(),
-              num(m.nccl).c_str(), num(m.ncclPplx).c_str(), num(m.fabricA2a).c_str(), num(dGb).c_str(),
-              num(cGb).c_str());
+              num(m.nccl).c_str(), num(m.ncclPplx).c_str(), num(m.a2aDispatch).c_str(), num(m.a2aCombine).c_str(),
+              ratio(vsA2a(m)).c_str(), num(dGb).c_str(), num(cGb).c_str());
   if (m.dHost >= 0) {
     std::printf("#   host time inside the eager calls (median, max over ranks): dispatch %.1f us, combine %.1f us\n",
                 m.dHost, m.cHost);
@@ -140,7 +153,8 @@ void Report::row(const RowInfo& r, const Measurement& m) {
     << ",\"combine_send_us\":" << jnum(g ? -1 : m.cSend) << ",\"combine_recv_us\":" << jnum(g ? -1 : m.cRecv)
     << ",\"dispatch_device_us\":" << jnum(m.dDev) << ",\"combine_device_us\":" << jnum(m.cDev)
     << ",\"nccl_us\":" << jnum(m.nccl) << ",\"nccl_pplx_us\":" << jnum(m.ncclPplx)
-    << ",\"fabric_a2a_us\":" << jnum(m.fabricA2a);
+    << ",\"fabric_a2a_us\":" << jnum(m.a2aDispatch) << ",\"fabric_a2a_combine_us\":" << jnum(m.a2aCombine)
+    << ",\"fabric_a2a_ratio\":" << jnum(vsA2a(m));
   if (!r.fabricProvider.empty()) f << ",\"fabric_provider\":\"" << r.fabricProvider << "\"";
   if (m.dHost >= 0) {
     f << ",\"dispatch_host_us\":" << jnum(m.dHost) << ",\"combine_host_us\":" << jnum(m.cHost)
@@ -150,12 +164,13 @@ void Report::row(const RowInfo& r, const Measurement& m) {
   const char* blocks = std::getenv("EPCOMM_NVLINK_BLOCKS");
   const char* localSize = std::getenv("EPCOMM_PROXY_LOCAL_SIZE");  // proxy: same-node peers over NVLink or the fabric
   f << ",\"dispatch_bytes_per_rank\":" << static_cast<uint64_t>(r.dispatchBytes)
-    << ",\"pplx_bytes_rank0\":" << r.pplxBytes << ",\"combine_bytes_rank0\":" << r.combineBytes
-    << ",\"buffer_bytes\":" << r.bufferBytes << ",\"shared_gpu\":" << (sharedGpu_ ? "true" : "false")
-    << ",\"barrier\":\"" << barrier_ << "\",\"nvlink_blocks_env\":\"" << (blocks != nullptr ? blocks : "")
-    << "\",\"proxy_local_size_env\":\"" << (localSize != nullptr ? localSize : "") << "\",\"iters\":" << o_.iters
-    << ",\"warmup\":" << o_.warmup << ",\"rev\":\"" << rev_ << "\",\"machine\":\"" << machine_ << "\",\"date\":\""
-    << nowUtc() << "\"}\n";
+    << ",\"pplx_bytes_rank0\":" << r.pplxBytes
+    << ",\"combine_bytes_per_rank\":" << static_cast<uint64_t>(r.combineBytes)
+    << ",\"combine_bytes_rank0\":" << r.combineBytes0 << ",\"buffer_bytes\":" << r.bufferBytes
+    << ",\"shared_gpu\":" << (sharedGpu_ ? "true" : "false") << ",\"barrier\":\"" << barrier_
+    << "\",\"nvlink_blocks_env\":\"" << (blocks != nullptr ? blocks : "") << "\",\"proxy_local_size_env\":\""
+    << (localSize != nullptr ? localSize : "") << "\",\"iters\":" << o_.iters << ",\"warmup\":" << o_.warmup
+    << ",\"rev\":\"" << rev_ << "\",\"machine\":\"" << machine_ << "\",\"date\":\"" << nowUtc() << "\"}\n";
   json(f.str());
   if (!gpu_) rows_.push_back(f.str());
 }

@@ -20,8 +20,9 @@ struct Measurement {
   double dSend = -1, dRecv = -1, cSend = -1, cRecv = -1;  ///< Its send and receive halves (eager only).
   double dDev = -1, cDev = -1;                            ///< Device-only: the launch hidden behind a GPU spin.
   double nccl = -1, ncclPplx = -1;  ///< NCCL all-to-all of the dispatch's bytes (pplx: one copy per expert).
-  double fabricA2a = -1;            ///< Dense all-to-all of the same bytes over the backend's fabric provider.
-  double dHost = -1, cHost = -1;    ///< GPU, eager: host time spent inside the dispatch / combine call.
+  /// Dense all-to-all over the backend's fabric provider of the dispatch's bytes and of the combine's bytes.
+  double a2aDispatch = -1, a2aCombine = -1;
+  double dHost = -1, cHost = -1;  ///< GPU, eager: host time spent inside the dispatch / combine call.
   /// GPU, eager: each rank's median of dispatch, combine and the host time inside dispatch (the maximum over ranks
   /// above hides which rank waited: a rank whose kernel starts earlier waits for its peers' data).
   std::vector<double> dRanks, cRanks, dHostRanks;
@@ -35,7 +36,8 @@ struct RowInfo {
   bool graph = false;
   double dispatchBytes = 0;    ///< Cross-rank payload bytes per rank (average over ranks), one direction.
   uint64_t pplxBytes = 0;      ///< Rank 0's bytes with one copy per expert.
-  uint64_t combineBytes = 0;   ///< Rank 0's combine bytes.
+  double combineBytes = 0;     ///< The combine's cross-rank row bytes per rank (average over ranks).
+  uint64_t combineBytes0 = 0;  ///< Rank 0's combine row bytes.
   uint64_t bufferBytes = 0;    ///< AllToAll::bufferBytes().
   std::string fabricProvider;  ///< Provider of the a2a baseline ("" when not run).
 };
