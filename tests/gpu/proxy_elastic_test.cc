@@ -1,5 +1,5 @@
 // Elastic ranks on the GPU proxy backend (EPCOMM_ELASTIC=1, docs/proxy.md "Elastic ranks"): W = 3 and 4 ranks (on GPU
-// r % devices, so they share a one-GPU machine), every peer over the libfabric provider of the case (tcp, shm;
+// r % devices, so they share a one-GPU machine: W = 3 over shm, W = 4 over tcp), every peer over the fabric (
 // EPCOMM_PROXY_LOCAL_SIZE=1), one killed with SIGKILL in the middle of a dispatch, in the middle of a combine, or
 // between two rounds; rank 0 (the bootstrap's server) or the last rank. Every survivor's failing call must name the
 // dead rank within twice EPCOMM_TIMEOUT_MS + 1 s (the channel waits a timeout for the dead rank, then the survivors
@@ -10,13 +10,8 @@
 // elastic ranks (kUnavailable).
 //
 // GPU: ctest --test-dir build -R ProxyElastic (or build/tests/gpu/proxy_elastic_test).
-#include <cuda_runtime.h>
 #include <gtest/gtest.h>
-#include <signal.h>
-#include <unistd.h>
 
-#include <chrono>
-#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -24,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "elastic_cases.hpp"
 #include "epcomm/error.hpp"
 #include "gpu_harness.hpp"
 #include "gpu_rounds.hpp"
@@ -42,12 +38,6 @@ int roundsAfter() {
   return v != nullptr && std::atoi(v) > 0 ? std::atoi(v) : 20;
 }
 
-enum class When { kMidDispatch, kMidCombine, kBetweenRounds };
-
-const char* whenName(When w) {
-  return w == When::kMidDispatch ? "MidDispatch" : w == When::kMidCombine ? "MidCombine" : "BetweenRounds";
-}
-
 Scenario elasticScenario(uint32_t world, uint32_t dp = 1) {
   Scenario s = scenarioFor("proxy", world);
   s.dp = dp;
@@ -59,22 +49,6 @@ Scenario elasticScenario(uint32_t world, uint32_t dp = 1) {
   return s;
 }
 
-// `rounds` rounds of `s` (its mask in s.active) from seed `seed0`, each checked against the reference, and the drop
-// count of the first few against the reference's.
-void roundsUnderMask(AllToAll& a2a, const Scenario& s, uint32_t rank, DeviceTensors& dev, cudaStream_t stream,
-                     DeviceBuffer& scratch, uint64_t seed0, int rounds) {
-  for (int i = 0; i < rounds; ++i) {
-    const uint64_t seed = seed0 + static_cast<uint64_t>(i);
-    const uint64_t before = a2a.droppedTokens();
-    const std::string err = checkedRound(a2a, s, rank, dev, CallMode::kFused, stream, scratch, seed);
-    ASSERT_TRUE(err.empty()) << "rank " << rank << ", round " << i << " under the mask:\n" << err;
-    if (i < 8) {
-      const Round expected(s, seed);
-      EXPECT_EQ(a2a.droppedTokens() - before, expected.dropped(rank)) << "rank " << rank << ", round " << i;
-    }
-  }
-}
-
 // Skips without a GPU, the proxy backend or the provider.
 #define SKIP_UNLESS_PROXY(provider)                  \
   do {                                               \
@@ -83,109 +57,38 @@ void roundsUnderMask(AllToAll& a2a, const Scenario& s, uint32_t rank, DeviceTens
     SKIP_WITHOUT(provider);                          \
   } while (0)
 
-// (world, when, victim rank 0 (else the last), provider)
-// (world, provider): W = 3 over shm and W = 4 over tcp (each world and each provider once, every kill point on each).
+// ((world, provider), when, victim rank 0 (else the last)): W = 3 over shm and W = 4 over tcp (each world and each
+// provider once, every kill point on each).
 using WorldProvider = std::pair<uint32_t, std::string>;
-class ProxyElastic : public ::testing::TestWithParam<std::tuple<WorldProvider, When, bool>> {};
+class ProxyElastic : public ::testing::TestWithParam<std::tuple<WorldProvider, KillPoint, bool>> {};
 
 TEST_P(ProxyElastic, SurvivorsNameTheDeadRankAndGoOn) {
   const uint32_t W = std::get<0>(GetParam()).first;
-  const When when = std::get<1>(GetParam());
-  const uint32_t victim = std::get<2>(GetParam()) ? 0 : W - 1;
   const std::string provider = std::get<0>(GetParam()).second;
   SKIP_UNLESS_PROXY(provider);
   test::ScopedEnv env({{"EPCOMM_TIMEOUT_MS", "2000"},
                        {"EPCOMM_ELASTIC", "1"},
                        {"EPCOMM_FABRIC_PROVIDER", provider.c_str()},
                        {"EPCOMM_PROXY_LOCAL_SIZE", "1"}});
-  const int rounds = roundsAfter();
-  test::RunOptions o;
-  o.deadlineMs = 300000;
-  test::RunResult result = test::runRanks(
-      static_cast<int>(W),
-      [&](int r, Bootstrap& bootstrap) {
-        const uint32_t rank = static_cast<uint32_t>(r);
-        useRankDevice(r);
-        Stream stream;
-        DeviceBuffer scratch(1 << 16);
-        Scenario s = elasticScenario(W);
-        DeviceTensors dev;
-        allocateDevice(s, rank, dev);
-        std::unique_ptr<AllToAll> a2a = createAllToAll(scenarioConfig(s, rank), bootstrap, "proxy");
-        ASSERT_EQ(a2a->activeRanks(), std::vector<int32_t>(W, 1));
-        for (uint64_t seed = 1; seed <= 2; ++seed) {
-          ASSERT_EQ(checkedRound(*a2a, s, rank, dev, CallMode::kFused, stream.get(), scratch, seed), "");
-        }
-        EXPECT_EQ(a2a->droppedTokens(), 0u);
-
-        // The round the victim does not finish.
-        Round interrupted(s, 3);
-        interrupted.upload(rank, dev);
-        dev.dispatch.stream = dev.combine.stream = stream.get();
-        if (when == When::kMidDispatch) {
-          if (rank != victim) a2a->dispatch(dev.dispatch);  // the survivors' proxies wait for the victim's head
-          bootstrap.barrier();
-        } else if (when == When::kMidCombine) {
-          a2a->dispatch(dev.dispatch);
-          finishRound(*a2a, stream.get());
-          if (rank != victim) a2a->combine(dev.combine);  // ... for its combine rows
-          bootstrap.barrier();
-        } else {
-          a2a->dispatch(dev.dispatch);
-          a2a->combine(dev.combine);
-          finishRound(*a2a, stream.get());
-          bootstrap.barrier();
-        }
-        if (rank == victim) raise(SIGKILL);
-        const auto start = std::chrono::steady_clock::now();
-        bool raised = false;
-        try {
-          if (when == When::kBetweenRounds) {
-            interrupted.upload(rank, dev);
-            a2a->dispatch(dev.dispatch);
-          }
-          if (when != When::kMidCombine) a2a->combine(dev.combine);
-          finishRound(*a2a, stream.get());
-        } catch (const Error& e) {
-          raised = true;
-          const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-          std::printf("W = %u %s over %s, rank %u killed: rank %u raised after %.0f ms: %s\n", W, whenName(when),
-                      provider.c_str(), victim, rank, secs * 1e3, e.what());
-          EXPECT_TRUE(e.code() == ErrorCode::kTimeout || e.code() == ErrorCode::kPeerFailure ||
-                      e.code() == ErrorCode::kFabric)
-              << e.what();
-          EXPECT_NE(e.message().find("without rank " + std::to_string(victim)), std::string::npos) << e.what();
-          EXPECT_NE(e.message().find("the object goes on"), std::string::npos) << e.what();
-          EXPECT_LT(secs, 2 * kTimeoutMs / 1000.0 + 1.0) << e.what();
-        }
-        ASSERT_TRUE(raised) << "the round completed without rank " << victim;
-        std::vector<int32_t> mask(W, 1);
-        mask[victim] = 0;
-        ASSERT_EQ(a2a->activeRanks(), mask);
-        s.active = mask;
-        roundsUnderMask(*a2a, s, rank, dev, stream.get(), scratch, 100, rounds);
-        EXPECT_GT(a2a->droppedTokens(), 0u);
-        a2a.reset();  // among the survivors: must not wait for the dead rank
-      },
-      o);
-  ASSERT_EQ(result.ranks.size(), W);
-  for (uint32_t r = 0; r < W; ++r) {
-    if (r == victim) {
-      EXPECT_EQ(result.ranks[r].signal, SIGKILL) << result.summary();
-    } else {
-      EXPECT_TRUE(result.ranks[r].ok()) << result.summary();
-    }
-  }
+  KillCase k;
+  k.backend = "proxy";
+  k.label = "proxy over " + provider;
+  k.when = std::get<1>(GetParam());
+  k.victim = std::get<2>(GetParam()) ? 0 : W - 1;
+  k.roundsAfter = roundsAfter();
+  k.boundMs = 2 * kTimeoutMs + 1000;  // the channel waits a timeout for the dead rank, then the survivors agree
+  k.codes.push_back(ErrorCode::kFabric);
+  runKillCase(elasticScenario(W), k);
 }
 
 INSTANTIATE_TEST_SUITE_P(Kills, ProxyElastic,
                          ::testing::Combine(::testing::Values(WorldProvider{3u, "shm"}, WorldProvider{4u, "tcp"}),
-                                            ::testing::Values(When::kMidDispatch, When::kMidCombine,
-                                                              When::kBetweenRounds),
+                                            ::testing::Values(KillPoint::kMidDispatch, KillPoint::kMidCombine,
+                                                              KillPoint::kBetweenRounds),
                                             ::testing::Bool()),
                          [](const ::testing::TestParamInfo<ProxyElastic::ParamType>& info) {
                            const WorldProvider& wp = std::get<0>(info.param);
-                           return "W" + std::to_string(wp.first) + "_" + whenName(std::get<1>(info.param)) +
+                           return "W" + std::to_string(wp.first) + "_" + killPointName(std::get<1>(info.param)) +
                                   (std::get<2>(info.param) ? "_Rank0_" : "_Last_") + wp.second;
                          });
 
@@ -200,43 +103,7 @@ TEST_P(ProxyElasticSet, CallerMasksARank) {
   SKIP_UNLESS_PROXY(provider);
   test::ScopedEnv env(
       {{"EPCOMM_TIMEOUT_MS", "2000"}, {"EPCOMM_FABRIC_PROVIDER", provider.c_str()}, {"EPCOMM_PROXY_LOCAL_SIZE", "1"}});
-  const int rounds = roundsAfter();
-  constexpr uint32_t W = 4;
-  test::RunOptions o;
-  o.deadlineMs = 300000;
-  test::RunResult result = test::runRanks(
-      static_cast<int>(W),
-      [&](int r, Bootstrap& bootstrap) {
-        const uint32_t rank = static_cast<uint32_t>(r);
-        useRankDevice(r);
-        Stream stream;
-        DeviceBuffer scratch(1 << 16);
-        Scenario s = elasticScenario(W, dp);
-        DeviceTensors dev;
-        allocateDevice(s, rank, dev);
-        std::unique_ptr<AllToAll> a2a = createAllToAll(scenarioConfig(s, rank), bootstrap, "proxy");
-        ASSERT_EQ(checkedRound(*a2a, s, rank, dev, CallMode::kFused, stream.get(), scratch, 1), "");
-        const std::vector<int32_t> mask = {1, 0, 1, 1};
-        EXPECT_THROW(a2a->setActiveRanks({1, 0, 1}), Error);     // wrong size: refused before anything
-        EXPECT_THROW(a2a->setActiveRanks({0, 0, 0, 0}), Error);  // no rank left
-        EXPECT_THROW(a2a->setActiveRanks({1, 2, 1, 1}), Error);  // not 0 / 1
-        ASSERT_EQ(checkedRound(*a2a, s, rank, dev, CallMode::kFused, stream.get(), scratch, 2), "")
-            << "a refused mask left the object as it was";
-        a2a->setActiveRanks(mask);
-        EXPECT_EQ(a2a->activeRanks(), mask);
-        if (rank == 1) {
-          EXPECT_THROW(a2a->dispatch(dev.dispatch), Error) << "the rank that left went on";
-        } else {
-          EXPECT_THROW(a2a->setActiveRanks({1, 1, 1, 1}), Error);  // a masked rank never comes back
-          s.active = mask;
-          roundsUnderMask(*a2a, s, rank, dev, stream.get(), scratch, 200, rounds);
-          EXPECT_GT(a2a->droppedTokens(), 0u);
-        }
-        a2a.reset();
-        bootstrap.barrier();  // the bootstrap is intact: nobody died
-      },
-      o);
-  EXPECT_TRUE(result.allOk()) << result.summary();
+  runCallerMasksARank(elasticScenario(4, dp), "proxy", roundsAfter());
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, ProxyElasticSet,
