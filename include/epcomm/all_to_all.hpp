@@ -81,8 +81,10 @@ class AllToAll {
   virtual void dispatch(const DispatchArgs& args) = 0;
   /// Validates every tensor, then sends and/or receives the expert outputs. See CombineArgs.
   virtual void combine(const CombineArgs& args) = 0;
-  /// Blocks until the object's outstanding work is finished (host: joins; GPU: stream sync) and rethrows any
-  /// recorded error. Not needed between calls; useful before destruction in tests.
+  /// Blocks until the object's outstanding work is finished and rethrows any recorded error. Host: joins its work;
+  /// GPU backends: waits, on each stream the object launched on, for its last launch there (not for the device,
+  /// other streams or launches from a graph the caller replays: the caller waits for those). Not needed between
+  /// calls; useful before destruction in tests.
   virtual void synchronize() = 0;
 
   virtual const Config& config() const = 0;

@@ -6,8 +6,10 @@
 #include <chrono>
 #include <cstdio>
 #include <functional>
+#include <thread>
 
 #include "epcomm/error.hpp"
+#include "gpu_rounds.hpp"
 #include "support/scoped_env.hpp"
 
 namespace epcomm {
@@ -270,6 +272,32 @@ void callsOutOfOrderAreRefused(const Scenario& s, int rank, Bootstrap& bootstrap
   a2a->combine(dev.combine);
   a2a->synchronize();
   EXPECT_EQ(o.round.check(rank, dev), "");
+}
+
+namespace {
+constexpr int64_t kOtherStreamHoldMs = 2000;
+}  // namespace
+
+void synchronizeWaitsForItsOwnWork(Scenario s, int rank, Bootstrap& bootstrap, const std::string& backend) {
+  useRankDevice(rank);
+  LoadedObject o(s, rank, bootstrap, 21, backend);
+  Stream mine, other;
+  o.dev.dispatch.stream = o.dev.combine.stream = mine.get();
+  // The other stream is held by a host function: a wait for the whole device would wait for it too.
+  ASSERT_EQ(cudaLaunchHostFunc(
+                other.get(), [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(kOtherStreamHoldMs)); },
+                nullptr),
+            cudaSuccess);
+  const auto start = std::chrono::steady_clock::now();
+  o.a2a->dispatch(o.dev.dispatch);
+  o.a2a->combine(o.dev.combine);
+  o.a2a->synchronize();
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(cudaStreamQuery(other.get()), cudaErrorNotReady) << "synchronize() took " << ms << " ms";
+  cudaGetLastError();
+  EXPECT_LT(ms, kOtherStreamHoldMs / 2.0) << "synchronize() waited for another stream's work";
+  EXPECT_EQ(o.round.check(static_cast<uint32_t>(rank), o.dev), "") << "synchronize() returned before the round ended";
+  ASSERT_EQ(cudaStreamSynchronize(other.get()), cudaSuccess);
 }
 
 void badIndexIsDeviceError(Scenario s, int rank, Bootstrap& bootstrap, const std::string& backend) {

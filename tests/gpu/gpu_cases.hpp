@@ -90,6 +90,11 @@ void peerNeverEnters(const Scenario& s, int rank, Bootstrap& bootstrap, const st
 void callsOutOfOrderAreRefused(const Scenario& s, int rank, Bootstrap& bootstrap, const std::string& backend,
                                bool weightRows);
 
+/// synchronize() waits for the object's own launches, not for the device: with another stream of the process held
+/// up for 2 s (a host function that sleeps), a round launched on a stream of its own and synchronize() must return
+/// well before that, with the round's outputs complete (checked against the reference without any other wait).
+void synchronizeWaitsForItsOwnWork(Scenario s, int rank, Bootstrap& bootstrap, const std::string& backend);
+
 /// An expert index outside [-1, E) in token 2 of `s` (made not ragged, so the token exists) is detected on the device
 /// and reported as kDeviceError naming the token and the index by the next call; the object then refuses a combine.
 void badIndexIsDeviceError(Scenario s, int rank, Bootstrap& bootstrap, const std::string& backend);

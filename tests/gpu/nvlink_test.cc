@@ -575,6 +575,18 @@ TEST(NvlinkGpu, W2Fp8CastMatchesSeparateCast) {
 }
 
 // An expert index outside [-1, E) is detected on the device and reported as kDeviceError by the next call.
+// synchronize() waits for the object's own launches, not for another stream's work (gpu_cases.hpp).
+TEST(NvlinkGpu, W1SynchronizeWaitsForItsOwnWork) {
+  REQUIRE_GPUS(1);
+  test::RunResult result = test::runRanks(
+      1,
+      [](int rank, Bootstrap& bootstrap) {
+        gputest::synchronizeWaitsForItsOwnWork(base(1), rank, bootstrap, "nvlink");
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
 TEST(NvlinkGpu, W1BadIndexIsDeviceError) {
   REQUIRE_GPUS(1);
   test::RunResult result = test::runRanks(

@@ -470,6 +470,19 @@ TEST(NvshmemGpu, W1CallsOutOfOrderAreRefused) {
   EXPECT_TRUE(result.allOk()) << result.summary();
 }
 
+// synchronize() waits for the object's own launches, not for another stream's work (gpu_cases.hpp).
+TEST(NvshmemGpu, W1SynchronizeWaitsForItsOwnWork) {
+  REQUIRE_GPU();
+  OneHostNvshmem nvshmemEnv;
+  test::RunResult result = test::runRanks(
+      1,
+      [](int rank, Bootstrap& bootstrap) {
+        gputest::synchronizeWaitsForItsOwnWork(base(1), rank, bootstrap, "nvshmem");
+      },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
 // An expert index outside [-1, E) is detected on the device and reported as kDeviceError by the next call; the
 // object can still be destroyed.
 TEST(NvshmemGpu, W1BadIndexIsDeviceError) {

@@ -228,6 +228,15 @@ TEST_P(ProxyGpu, CallsOutOfOrderAreRefused) {
   EXPECT_TRUE(result.allOk()) << result.summary();
 }
 
+// synchronize() waits for the object's own launches, not for another stream's work (gpu_cases.hpp).
+TEST_P(ProxyGpu, W1SynchronizeWaitsForItsOwnWork) {
+  test::RunResult result = test::runRanks(
+      1,
+      [](int rank, Bootstrap& bootstrap) { gputest::synchronizeWaitsForItsOwnWork(base(1), rank, bootstrap, "proxy"); },
+      options());
+  EXPECT_TRUE(result.allOk()) << result.summary();
+}
+
 // An expert index outside [-1, E) is detected by the dispatch kernel (the entry is skipped, the round completes on
 // every rank) and reported as kDeviceError naming the token and the index by the next call.
 TEST_P(ProxyGpu, BadIndexIsDeviceError) {

@@ -374,11 +374,7 @@ class NvlinkAllToAll final : public AllToAll {
                  "rank " << config_.rank << ": " << what
                          << " kernel launch failed: " << cudaGetErrorString(static_cast<cudaError_t>(rc)));
     launched();
-    if (nvlink::isCapturing(s)) return;
-    const cudaError_t e = marks_.mark(s);
-    EPCOMM_CHECK(e == cudaSuccess, kCuda,
-                 "rank " << config_.rank << ": recording the " << what
-                         << " kernel's completion event failed: " << cudaGetErrorString(e));
+    marks_.markLaunch(s, "", config_.rank, what);
   }
 
   // Checks a dispatch call's arguments (its place in the call order was checked before) and packs them into the

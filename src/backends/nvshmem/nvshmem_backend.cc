@@ -19,6 +19,7 @@
 #include "core/abort_board.hpp"
 #include "core/call_order.hpp"
 #include "core/cuda_check.hpp"
+#include "core/cuda_resources.hpp"
 #include "core/env.hpp"
 #include "core/kernel_args.hpp"
 #include "core/log.hpp"
@@ -160,6 +161,7 @@ class NvshmemAllToAll final : public AllToAll {
     if (a.doSend && board_.raised()) board_.withdraw();  // a refusal of this step, called again with good arguments
     checkLaunch(nvshmem::launchDispatch(p.k, a.doSend, a.doRecv, a.stream), "", config_.rank,
                 "nvshmem dispatch kernel");
+    marks_.markLaunch(static_cast<cudaStream_t>(a.stream), "", config_.rank, "nvshmem dispatch");
     if (a.doSend) {
       dispatchedM_ = p.k.m;
       ++dispatchSends_;
@@ -188,12 +190,17 @@ class NvshmemAllToAll final : public AllToAll {
     checkCurrentDevice(device_, config_.rank);
     if (a.doSend && board_.raised()) board_.withdraw();
     checkLaunch(nvshmem::launchCombine(p.k, a.doSend, a.doRecv, a.stream), "", config_.rank, "nvshmem combine kernel");
+    marks_.markLaunch(static_cast<cudaStream_t>(a.stream), "", config_.rank, "nvshmem combine");
     order_.combined(a.doSend, a.doRecv);
   }
 
+  // Waits for the streams this object launched on, up to its last launch on each (LaunchMarks), not for the device.
   void synchronize() override {
     checkUsable();
-    EPCOMM_CHECK_CUDA(cudaDeviceSynchronize());
+    const cudaError_t e = marks_.wait();
+    EPCOMM_CHECK(e == cudaSuccess, kCuda,
+                 "rank " << config_.rank << ": nvshmem kernels failed: " << cudaGetErrorString(e) << " ("
+                         << static_cast<int>(e) << ")");
     checkUsable();
   }
 
@@ -347,6 +354,7 @@ class NvshmemAllToAll final : public AllToAll {
   CallOrder order_{"nvshmem", config_.rank, false};
   uint32_t dispatchedM_ = 0;    // m of the last dispatch send half (combine's weights must cover it)
   uint32_t dispatchSends_ = 0;  // dispatch send halves launched (the round of the next one)
+  cuda::LaunchMarks marks_;     // the object's outstanding work, per stream (synchronize)
   PackedDispatch packedDispatch_[3];
   PackedCombine packedCombine_[3];
   std::string failed_;

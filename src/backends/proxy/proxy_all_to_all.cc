@@ -504,11 +504,13 @@ void ProxyAllToAll::dispatch(const DispatchArgs& a) {
   if (a.doSend) {
     const int rc = launchDispatchSend(dispatchSendArgs(m.context(), a, c), m.blocks, a.stream);
     checkLaunch(rc, "proxy backend ", m.config.rank, "dispatch send");
+    m.marks.markLaunch(static_cast<cudaStream_t>(a.stream), "proxy backend ", m.config.rank, "dispatch send");
     ++m.dispatchSends;
   }
   if (a.doRecv) {
     const int rc = launchDispatchRecv(dispatchRecvArgs(m.context(), a, c), m.blocks, a.stream);
     checkLaunch(rc, "proxy backend ", m.config.rank, "dispatch receive");
+    m.marks.markLaunch(static_cast<cudaStream_t>(a.stream), "proxy backend ", m.config.rank, "dispatch receive");
   }
   m.order.dispatched(a.doSend, a.doRecv);
 }
@@ -529,18 +531,24 @@ void ProxyAllToAll::combine(const CombineArgs& a) {
     const CombineSendArgs k = combineSendArgs(m.context(), a, c);
     const int rc = launchCombineSend(k, m.blocks, a.stream);
     checkLaunch(rc, "proxy backend ", m.config.rank, "combine send");
+    m.marks.markLaunch(static_cast<cudaStream_t>(a.stream), "proxy backend ", m.config.rank, "combine send");
     m.combineSendType = k.yType;
   }
   if (a.doRecv) {
     const int rc = launchCombineRecv(combineRecvArgs(m.context(), a, c, m.combineSendType), m.blocks, a.stream);
     checkLaunch(rc, "proxy backend ", m.config.rank, "combine receive");
+    m.marks.markLaunch(static_cast<cudaStream_t>(a.stream), "proxy backend ", m.config.rank, "combine receive");
   }
   m.order.combined(a.doSend, a.doRecv);
 }
 
+// Waits for the streams this object launched on, up to its last launch on each (LaunchMarks), not for the device.
 void ProxyAllToAll::synchronize() {
   impl_->checkUsable();
-  EPCOMM_CHECK_CUDA(cudaDeviceSynchronize());
+  const cudaError_t e = impl_->marks.wait();
+  EPCOMM_CHECK(e == cudaSuccess, kCuda,
+               "proxy backend rank " << impl_->config.rank << ": kernels failed: " << cudaGetErrorString(e) << " ("
+                                     << static_cast<int>(e) << ")");
   impl_->checkUsable();
 }
 

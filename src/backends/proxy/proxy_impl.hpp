@@ -15,6 +15,7 @@
 #include "backends/proxy/proxy_kernels.hpp"
 #include "backends/proxy/proxy_local.hpp"
 #include "core/call_order.hpp"
+#include "core/cuda_resources.hpp"
 #include "epcomm/error.hpp"
 #include "proxy/proxy_channel.hpp"
 
@@ -84,6 +85,7 @@ struct ProxyAllToAll::Impl {
   int64_t clockLo = 0, clockHi = 0;
   uint8_t* scratch = nullptr;
   CallOrder order;
+  cuda::LaunchMarks marks;       // the object's outstanding work, per stream (synchronize)
   int32_t combineSendType = -1;  // expertY of the last combine send half (the receive half reads rows of it)
 
   std::thread thread;
