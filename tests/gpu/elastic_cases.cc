@@ -20,6 +20,22 @@ const char* killPointName(KillPoint when) {
                                           : "BetweenRounds";
 }
 
+Scenario elasticScenario(const std::string& backend, uint32_t world, uint32_t dp) {
+  Scenario s = scenarioFor(backend, world);
+  s.dp = dp;
+  s.experts = 4 * world;
+  s.topK = 3;
+  s.maxTokens = 32;
+  s.hidden = 256;
+  s.masked = true;
+  return s;
+}
+
+ElasticRank::ElasticRank(const Scenario& scenario, uint32_t rank)
+    : device(useRankDevice(static_cast<int>(rank))), scratch(1 << 16), s(scenario) {
+  allocateDevice(s, rank, dev);
+}
+
 void roundsUnderMask(AllToAll& a2a, const Scenario& s, uint32_t rank, DeviceTensors& dev, cudaStream_t stream,
                      DeviceBuffer& scratch, uint64_t seed0, int rounds) {
   for (int i = 0; i < rounds; ++i) {
@@ -63,12 +79,11 @@ void runKillCase(const Scenario& s0, const KillCase& k) {
       static_cast<int>(W),
       [&](int r, Bootstrap& bootstrap) {
         const uint32_t rank = static_cast<uint32_t>(r);
-        useRankDevice(r);
-        Stream stream;
-        DeviceBuffer scratch(1 << 16);
-        Scenario s = s0;
-        DeviceTensors dev;
-        allocateDevice(s, rank, dev);
+        ElasticRank er(s0, rank);
+        Scenario& s = er.s;
+        DeviceTensors& dev = er.dev;
+        DeviceBuffer& scratch = er.scratch;
+        Stream& stream = er.stream;
         std::unique_ptr<AllToAll> a2a = createAllToAll(scenarioConfig(s, rank), bootstrap, k.backend);
         ASSERT_EQ(a2a->activeRanks(), std::vector<int32_t>(W, 1));
         for (uint64_t seed = 1; seed <= 2; ++seed) {
@@ -128,12 +143,11 @@ void runCallerMasksARank(const Scenario& s0, const std::string& backend, int rou
       static_cast<int>(W),
       [&](int r, Bootstrap& bootstrap) {
         const uint32_t rank = static_cast<uint32_t>(r);
-        useRankDevice(r);
-        Stream stream;
-        DeviceBuffer scratch(1 << 16);
-        Scenario s = s0;
-        DeviceTensors dev;
-        allocateDevice(s, rank, dev);
+        ElasticRank er(s0, rank);
+        Scenario& s = er.s;
+        DeviceTensors& dev = er.dev;
+        DeviceBuffer& scratch = er.scratch;
+        Stream& stream = er.stream;
         std::unique_ptr<AllToAll> a2a = createAllToAll(scenarioConfig(s, rank), bootstrap, backend);
         ASSERT_EQ(checkedRound(*a2a, s, rank, dev, CallMode::kFused, stream.get(), scratch, 1), "");
         const std::vector<int32_t> mask = {1, 0, 1, 1};

@@ -14,9 +14,25 @@
 #include "epcomm/all_to_all.hpp"
 #include "epcomm/error.hpp"
 #include "gpu_harness.hpp"
+#include "gpu_rounds.hpp"
 
 namespace epcomm {
 namespace gputest {
+
+/// The scenario of the elastic cases on `backend`: W = `world` ranks, DP groups of `dp`, 4 experts per rank, top-3,
+/// up to 32 tokens of 256 elements, masked experts.
+Scenario elasticScenario(const std::string& backend, uint32_t world, uint32_t dp = 1);
+
+/// What one rank of an elastic case holds besides its object: its GPU made current (useRankDevice), a stream, a
+/// scratch buffer for the split halves, its copy of the scenario and its device tensors.
+struct ElasticRank {
+  ElasticRank(const Scenario& scenario, uint32_t rank);
+  int device;  // first: the GPU is made current before the stream and buffers are made
+  Stream stream;
+  DeviceBuffer scratch;
+  Scenario s;
+  DeviceTensors dev;
+};
 
 /// Where in a round the victim dies: the survivors' dispatch waits for its data, their combine does, or it dies
 /// between two rounds.

@@ -31,15 +31,7 @@ int roundsAfter(int byDefault) {
   return v != nullptr && std::atoi(v) > 0 ? std::atoi(v) : byDefault;
 }
 
-Scenario elasticScenario(uint32_t world) {
-  Scenario s = scenarioFor("nvlink", world);
-  s.experts = 4 * world;
-  s.topK = 3;
-  s.maxTokens = 32;
-  s.hidden = 256;
-  s.masked = true;
-  return s;
-}
+Scenario elasticScenario(uint32_t world) { return gputest::elasticScenario("nvlink", world); }
 
 // (world, when, victim rank 0 (else the last))
 class NvlinkElastic : public ::testing::TestWithParam<std::tuple<uint32_t, KillPoint, bool>> {};

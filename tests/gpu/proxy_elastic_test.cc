@@ -38,16 +38,7 @@ int roundsAfter() {
   return v != nullptr && std::atoi(v) > 0 ? std::atoi(v) : 20;
 }
 
-Scenario elasticScenario(uint32_t world, uint32_t dp = 1) {
-  Scenario s = scenarioFor("proxy", world);
-  s.dp = dp;
-  s.experts = 4 * world;
-  s.topK = 3;
-  s.maxTokens = 32;
-  s.hidden = 256;
-  s.masked = true;
-  return s;
-}
+Scenario elasticScenario(uint32_t world, uint32_t dp = 1) { return gputest::elasticScenario("proxy", world, dp); }
 
 // Skips without a GPU, the proxy backend or the provider.
 #define SKIP_UNLESS_PROXY(provider)                  \
@@ -128,12 +119,11 @@ TEST(ProxyElasticLocal, NodePeersOverNvlinkRefuseElasticRanks) {
         static_cast<int>(W),
         [&](int r, Bootstrap& bootstrap) {
           const uint32_t rank = static_cast<uint32_t>(r);
-          useRankDevice(r);
-          Stream stream;
-          DeviceBuffer scratch(1 << 16);
-          Scenario s = elasticScenario(W);
-          DeviceTensors dev;
-          allocateDevice(s, rank, dev);
+          ElasticRank er(elasticScenario(W), rank);
+          Scenario& s = er.s;
+          DeviceTensors& dev = er.dev;
+          DeviceBuffer& scratch = er.scratch;
+          Stream& stream = er.stream;
           std::unique_ptr<AllToAll> a2a;
           try {
             a2a = createAllToAll(scenarioConfig(s, rank), bootstrap, "proxy");
