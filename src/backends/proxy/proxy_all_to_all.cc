@@ -464,6 +464,11 @@ void ProxyAllToAll::Impl::checkUsable() {
   detail::throwError(failedCode, failed + " [this AllToAll object is unusable]", __FILE__, __LINE__);
 }
 
+void ProxyAllToAll::Impl::launched(int rc, void* stream, const char* what) {
+  checkLaunch(rc, "proxy backend ", config.rank, what);
+  marks.markLaunch(static_cast<cudaStream_t>(stream), "proxy backend ", config.rank, what);
+}
+
 KernelContext ProxyAllToAll::Impl::context() const {
   KernelContext ctx;
   ctx.sizes = sizes;
@@ -503,14 +508,12 @@ void ProxyAllToAll::dispatch(const DispatchArgs& a) {
   checkCurrentDevice(m.device, m.config.rank, "proxy backend ");
   if (a.doSend) {
     const int rc = launchDispatchSend(dispatchSendArgs(m.context(), a, c), m.blocks, a.stream);
-    checkLaunch(rc, "proxy backend ", m.config.rank, "dispatch send");
-    m.marks.markLaunch(static_cast<cudaStream_t>(a.stream), "proxy backend ", m.config.rank, "dispatch send");
+    m.launched(rc, a.stream, "dispatch send");
     ++m.dispatchSends;
   }
   if (a.doRecv) {
     const int rc = launchDispatchRecv(dispatchRecvArgs(m.context(), a, c), m.blocks, a.stream);
-    checkLaunch(rc, "proxy backend ", m.config.rank, "dispatch receive");
-    m.marks.markLaunch(static_cast<cudaStream_t>(a.stream), "proxy backend ", m.config.rank, "dispatch receive");
+    m.launched(rc, a.stream, "dispatch receive");
   }
   m.order.dispatched(a.doSend, a.doRecv);
 }
@@ -530,14 +533,12 @@ void ProxyAllToAll::combine(const CombineArgs& a) {
   if (a.doSend) {
     const CombineSendArgs k = combineSendArgs(m.context(), a, c);
     const int rc = launchCombineSend(k, m.blocks, a.stream);
-    checkLaunch(rc, "proxy backend ", m.config.rank, "combine send");
-    m.marks.markLaunch(static_cast<cudaStream_t>(a.stream), "proxy backend ", m.config.rank, "combine send");
+    m.launched(rc, a.stream, "combine send");
     m.combineSendType = k.yType;
   }
   if (a.doRecv) {
     const int rc = launchCombineRecv(combineRecvArgs(m.context(), a, c, m.combineSendType), m.blocks, a.stream);
-    checkLaunch(rc, "proxy backend ", m.config.rank, "combine receive");
-    m.marks.markLaunch(static_cast<cudaStream_t>(a.stream), "proxy backend ", m.config.rank, "combine receive");
+    m.launched(rc, a.stream, "combine receive");
   }
   m.order.combined(a.doSend, a.doRecv);
 }

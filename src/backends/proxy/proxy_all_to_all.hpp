@@ -40,7 +40,8 @@ class ProxyAllToAll final : public AllToAll {
   /// next dispatch. Needs every peer over the fabric: with same-node peers over NVLink (EPCOMM_PROXY_LOCAL_SIZE > 1)
   /// creation with EPCOMM_ELASTIC=1 and setActiveRanks throw kUnavailable.
   std::vector<int32_t> activeRanks() const override;
-  /// Between rounds: waits for this object's kernels (cudaDeviceSynchronize), then agrees on the mask with the others.
+  /// Between rounds: waits for the device (cudaDeviceSynchronize: graph replays of this object included), then agrees
+  /// on the mask with the others.
   void setActiveRanks(const std::vector<int32_t>& mask) override;
   uint64_t droppedTokens() const override;
 

@@ -40,6 +40,9 @@ struct ProxyAllToAll::Impl {
   void sendFailure();
   void checkUsable();
   KernelContext context() const;
+  // After a kernel launch on `stream` (rc: its cudaError_t): throws kCuda naming `what` if it failed, else marks it
+  // for synchronize() (unless the stream is capturing a graph).
+  void launched(int rc, void* stream, const char* what);
   // Kernels wait for the proxy at most twice this long (ms): twice EPCOMM_TIMEOUT_MS, whose waits in the proxy fire
   // first; with elastic ranks as long as the channel's bound on an exchange that loses a peer and agrees on the mask.
   int64_t kernelWaitMs() const;
