@@ -56,9 +56,16 @@ __device__ __forceinline__ bool abortedAt(const int32_t* claimed) {
 __device__ __forceinline__ bool aborted(const DeviceState& st) { return abortedAt(st.claimed); }
 
 // The abort word next to the error record (core/abort_board.hpp): 0, or s + 1 once peer rank s aborted. Host-mapped:
-// read only in the slow path of a wait.
+// read only in the slow path of a wait. An acquire load at system scope: the peer's host set it with a seq_cst store,
+// so what was visible to that host before (the stores of the peer's kernels it saw complete, and all they had seen)
+// is visible to this thread's loads after one that sees it set (spinSlow's second look).
 __device__ __forceinline__ uint32_t peerAbortOf(const ErrorRecord* hostError) {
-  return *reinterpret_cast<const volatile uint32_t*>(reinterpret_cast<const char*>(hostError) + kAbortWordOffset);
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];"
+               : "=r"(v)
+               : "l"(reinterpret_cast<const char*>(hostError) + kAbortWordOffset)
+               : "memory");
+  return v;
 }
 
 // The first error wins; later ones are dropped (the host reports one and the object refuses further use).
@@ -98,7 +105,7 @@ __device__ __noinline__ void recordPeerAbort(int32_t* claimed, ErrorRecord* host
 // fetch bounded the decode dispatch, docs/nvlink.md). Returns the last value seen.
 // Every 256 polls it checks whether another wait failed (then it stops) and whether `patience` x EPCOMM_TIMEOUT_MS
 // passed: then it records (phase, peer, the value or tag seen, want) and stops; and whether a peer aborted (its abort
-// word): then it records that and stops. Never traps.
+// word): then, unless the word is ready at one more look, it records that and stops. Never traps.
 template <bool kTagged>
 __device__ __noinline__ uint64_t spinSlow(const uint64_t* word, uint64_t want, int32_t* claimed, ErrorRecord* hostError,
                                           uint64_t timeoutNs, uint32_t who) {
@@ -109,10 +116,18 @@ __device__ __noinline__ uint64_t spinSlow(const uint64_t* word, uint64_t want, i
     if ((i & 255) == 0) {
       if (abortedAt(claimed)) return v;
       // A peer that refused its call (or whose object failed) set this rank's abort word (core/abort_board.hpp):
-      // recorded as (kPhasePeerAbort, the peer; the phase and peer of this wait), and the wait stops.
+      // recorded as (kPhasePeerAbort, the peer; the phase and peer of this wait), and the wait stops, unless the word
+      // is ready at a second look after the abort word. An abort says that the round will not complete, not that
+      // this wait's data will not come: a rank that refuses its combine after its dispatch's synchronize() has
+      // delivered all of that dispatch, and a peer still inside that dispatch finishes it (its combine then reports
+      // the abort). v may be older than the abort word (a kernel on a GPU shared by several processes is preempted
+      // between any two instructions): the word loaded again after the acquire in peerAbortOf shows every store and
+      // flag increment that the aborting rank's host saw its kernels complete before it raised the abort.
       if (peerAbortOf(hostError) != 0) {
+        const uint64_t again = loadWaited<kTagged>(word);
+        if (waitedReady<kTagged>(again, want)) return again;
         recordPeerAbort(claimed, hostError, who);
-        return v;
+        return again;
       }
       if (globalTimerNs() - start > (who >> 24) * timeoutNs) {
         recordErrorAt(claimed, hostError, static_cast<int32_t>(who & 0xff), static_cast<int32_t>((who >> 8) & 0xff),
