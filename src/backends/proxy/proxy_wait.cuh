@@ -139,7 +139,14 @@ __device__ __noinline__ bool waitMailboxAt(int32_t* claim, Mailbox* mailbox, uin
     v = ldAcquireSys(word);
     if (v >= want) return true;
     if ((i & 63) == 0) {
-      if (haltedAt(claim, mailbox)) return false;
+      if (haltedAt(claim, mailbox)) {
+        // A halt or the proxy's abort says that the round will not complete, not that this word will not come: a
+        // node peer that refused its combine had delivered its dispatch, and this thread may have been preempted
+        // between its last poll and the look at the abort (several processes share a GPU). One more look after a
+        // fence (with the volatile loads of haltedAt, an acquire of what the aborting side saw complete) decides.
+        fenceAcqRelSys();
+        return ldAcquireSys(word) >= want;
+      }
       if (globalTimerNs() - start > 2 * timeoutNs) {
         recordErrorAt(claim, mailbox, phase, rank, peer, static_cast<int64_t>(v), static_cast<int64_t>(want), true);
         return false;
@@ -173,7 +180,10 @@ __device__ __noinline__ bool waitArrivalAt(int32_t* claim, Mailbox* mailbox, uin
     __nanosleep(32);
     if (ldAcquireGpu64(relay) >= want) return true;
     if ((i & 255) == 0) {
-      if (haltedAt(claim, mailbox)) return false;
+      if (haltedAt(claim, mailbox)) {
+        fenceAcqRelSys();  // one more look, as in waitMailboxAt: block 0 may have relayed before the halt
+        return ldAcquireGpu64(relay) >= want;
+      }
       // Block 0 records the timeout (naming the phase); this bound only guards against it never running.
       if (globalTimerNs() - start > 3 * timeoutNs) {
         recordErrorAt(claim, mailbox, phase, rank, -1, static_cast<int64_t>(ldAcquireGpu64(relay)),
