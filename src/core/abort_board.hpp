@@ -4,7 +4,7 @@
 //   [0, 128)    its kernels' error record (the backend's own struct; the kernels get this address as `hostError`),
 //   [128, 132)  its abort word: 0, or s + 1 once rank s aborted (written by that peer's host, polled by this rank's
 //               kernels in the slow path of their waits: a kernel finds it at hostError + kAbortWordOffset),
-//   [136, 152)  the nvlink backend's elastic-ranks words (its proposal and barrier counter, nvlink_agree.hpp),
+//   [136, 152)  the nvlink and nvshmem backends' elastic-ranks words (proposal and barrier counter, nvlink_agree.hpp),
 //   [152, 176)  its process's identity (core/process_liveness.hpp), written at open(): a peer whose wait timed out
 //               can tell whether this rank's process is gone and name it as the likely cause (deadPeers()),
 //   [192, 512)  its note: what this rank says when it aborts (written by its host, read by its peers' hosts).

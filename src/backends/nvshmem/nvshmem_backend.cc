@@ -1,6 +1,8 @@
 // The nvshmem backend: one symmetric allocation per object on NVSHMEM's heap, and kernels that move tokens with
 // put-with-signal (NVLink P2P on one node; IBGDA, IBRC or libfabric between nodes, whichever NVSHMEM runs over).
-// See docs/nvshmem.md.
+// See docs/nvshmem.md. Elastic ranks (docs/failures.md) as on nvlink: the same agreement over the node's abort board
+// (nvlink_agree.hpp) and the same index mask before the kernels (nvlink_elastic.cu); no NVSHMEM collective after a
+// rank is masked.
 #include <cuda_runtime.h>
 #include <unistd.h>
 
@@ -13,6 +15,8 @@
 #include <vector>
 
 #include "backends/backends.hpp"
+#include "backends/nvlink/nvlink_agree.hpp"
+#include "backends/nvlink/nvlink_kernels.hpp"
 #include "backends/nvshmem/nvshmem_kernels.hpp"
 #include "backends/nvshmem/nvshmem_layout.hpp"
 #include "backends/nvshmem/nvshmem_runtime.hpp"
@@ -71,11 +75,17 @@ struct SharedShape {
   uint32_t recvBlocks;
   uint32_t sendBlocks;
   uint32_t combineBlocks;
+  int32_t elastic;  // EPCOMM_ELASTIC, equal on every rank
 };
+
+// A rank's elastic words (its proposal and barrier counter) in its slot of the object's abort board.
+constexpr uint64_t kElasticWordsOffset = kAbortWordOffset + 8;
+static_assert(kElasticWordsOffset + 16 <= kAbortProcessOffset, "the elastic words fit before the process identity");
 
 class NvshmemAllToAll final : public AllToAll {
  public:
   NvshmemAllToAll(const Config& config, Bootstrap& bootstrap) : config_(config), bootstrap_(bootstrap) {
+    live_ = view_ = fullMask();
     device_ = pickDevice(config);
     EPCOMM_CHECK_CUDA(cudaSetDevice(device_));
     int smemMax = 0;
@@ -101,7 +111,8 @@ class NvshmemAllToAll final : public AllToAll {
                      << cudaGetErrorString(static_cast<cudaError_t>(rc)));
 
     // Everyone must ask NVSHMEM for the same symmetric size (a collective allocation).
-    SharedShape mine{geo_.symmetricBytes, geo_.chunks, geo_.recvBlocks, geo_.sendBlocks, geo_.combineBlocks};
+    SharedShape mine{geo_.symmetricBytes, geo_.chunks,        geo_.recvBlocks,
+                     geo_.sendBlocks,     geo_.combineBlocks, envInt("EPCOMM_ELASTIC") != 0 ? 1 : 0};
     std::vector<SharedShape> all(config.worldSize);
     bootstrap_.allGather(&mine, all.data(), sizeof(SharedShape));
     for (uint32_t r = 0; r < config.worldSize; ++r) {
@@ -112,7 +123,15 @@ class NvshmemAllToAll final : public AllToAll {
                    "ranks disagree on the nvshmem buffers: rank "
                        << r << " needs " << all[r].symmetricBytes << " symmetric bytes, rank " << config.rank
                        << " needs " << mine.symmetricBytes << " (every rank must use the same Config)");
+      EPCOMM_CHECK(all[r].elastic == mine.elastic, kInvalidConfig,
+                   "ranks disagree on EPCOMM_ELASTIC: rank " << r << " has " << all[r].elastic << ", rank "
+                                                             << config.rank << " " << mine.elastic);
     }
+    elastic_ = mine.elastic != 0;
+    // Elastic views are 32-bit masks (the agreement's words); every rank refuses alike (the same Config).
+    EPCOMM_CHECK(
+        !elastic_ || config.worldSize <= 32, kUnavailable,
+        "nvshmem backend: elastic ranks (EPCOMM_ELASTIC=1) support at most 32 ranks, got " << config.worldSize);
 
     nvshmem::acquireRuntime(bootstrap_, device_, heapBytesFor(geo_));
     acquired_ = true;
@@ -132,6 +151,7 @@ class NvshmemAllToAll final : public AllToAll {
       EPCOMM_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&boardDev), board_.page(), 0));
       hostErrorDev_ = reinterpret_cast<nvshmem::ErrorRecord*>(boardDev + (board_.slot(config.rank) - board_.page()));
       EPCOMM_CHECK_CUDA(cudaDeviceSynchronize());
+      openElastic();
       // Nobody may put into a peer's buffers before the peer zeroed them.
       bootstrap_.barrier();
     } catch (...) {
@@ -143,6 +163,16 @@ class NvshmemAllToAll final : public AllToAll {
   }
 
   ~NvshmemAllToAll() override { release(); }
+
+  std::vector<int32_t> activeRanks() const override {
+    std::vector<int32_t> mask(config_.worldSize);
+    for (uint32_t r = 0; r < config_.worldSize; ++r) mask[r] = r >= 32 ? 1 : static_cast<int32_t>((view_ >> r) & 1u);
+    return mask;
+  }
+  void setActiveRanks(const std::vector<int32_t>& mask) override;
+  uint64_t droppedTokens() const override {
+    return hostDrops_ ? *static_cast<const volatile uint64_t*>(hostDrops_.get()) : 0;
+  }
 
   void dispatch(const DispatchArgs& a) override {
     checkUsable();
@@ -159,8 +189,11 @@ class NvshmemAllToAll final : public AllToAll {
     const PackedDispatch& p = *packed;
     checkCurrentDevice(device_, config_.rank);
     if (a.doSend && board_.raised()) board_.withdraw();  // a refusal of this step, called again with good arguments
-    checkLaunch(nvshmem::launchDispatch(p.k, a.doSend, a.doRecv, a.stream), "", config_.rank,
-                "nvshmem dispatch kernel");
+    nvshmem::DispatchKernelArgs k = p.k;
+    if (a.doSend && live_ != fullMask()) {
+      maskIndices(a.indices, k.m, nullptr, false, a.stream, false, k.indices, k.indexKind, k.indexStrides);
+    }
+    checkLaunch(nvshmem::launchDispatch(k, a.doSend, a.doRecv, a.stream), "", config_.rank, "nvshmem dispatch kernel");
     marks_.markLaunch(static_cast<cudaStream_t>(a.stream), "", config_.rank, "nvshmem dispatch");
     if (a.doSend) {
       dispatchedM_ = p.k.m;
@@ -189,7 +222,11 @@ class NvshmemAllToAll final : public AllToAll {
     const PackedCombine& p = *packed;
     checkCurrentDevice(device_, config_.rank);
     if (a.doSend && board_.raised()) board_.withdraw();
-    checkLaunch(nvshmem::launchCombine(p.k, a.doSend, a.doRecv, a.stream), "", config_.rank, "nvshmem combine kernel");
+    nvshmem::CombineKernelArgs k = p.k;
+    if (a.doRecv && live_ != fullMask()) {
+      maskIndices(a.indices, k.m, a.boundM, true, a.stream, true, k.indices, k.indexKind, k.indexStrides);
+    }
+    checkLaunch(nvshmem::launchCombine(k, a.doSend, a.doRecv, a.stream), "", config_.rank, "nvshmem combine kernel");
     marks_.markLaunch(static_cast<cudaStream_t>(a.stream), "", config_.rank, "nvshmem combine");
     order_.combined(a.doSend, a.doRecv);
   }
@@ -276,20 +313,30 @@ class NvshmemAllToAll final : public AllToAll {
     st.scratch = static_cast<char*>(scratch_);
     st.hostError = hostErrorDev_;
     st.timeoutNs = static_cast<uint64_t>(env().timeoutMs) * 1000000ull;
+    st.live = live_;
     return st;
   }
 
   // Frees what the constructor made. The symmetric allocation is collective (nvshmem_free synchronises the PEs): only
   // when every rank reached the barrier, so a rank whose peer is gone does not hang here (it leaks the allocation).
+  // Once a rank is masked (elastic ranks) no rank frees it, nor meets on the bootstrap (whose rank 0 may be the dead
+  // one): nvshmem_free needs every PE, so the symmetric buffers stay allocated until the process exits.
   void release() {
     cudaSetDevice(device_);
     cudaDeviceSynchronize();
     bool together = false;
-    try {
-      bootstrap_.barrier();
-      together = true;
-    } catch (const std::exception& e) {
-      EPCOMM_LOG(kWarn, "nvshmem teardown barrier failed, the symmetric buffers stay allocated: " << e.what());
+    const uint32_t W = config_.worldSize;
+    if (left_ || live_ != fullMask()) {
+      EPCOMM_LOG(kInfo, "rank " << config_.rank << ": nvshmem teardown with "
+                                << (left_ ? std::string("this rank") : nvlink::rankSet(fullMask() & ~live_, W))
+                                << " masked: the symmetric buffers stay allocated (nvshmem_free needs every PE)");
+    } else {
+      try {
+        bootstrap_.barrier();
+        together = true;
+      } catch (const std::exception& e) {
+        EPCOMM_LOG(kWarn, "nvshmem teardown barrier failed, the symmetric buffers stay allocated: " << e.what());
+      }
     }
     if (sym_ != nullptr && together) nvshmem::symmetricFree(sym_);
     sym_ = nullptr;
@@ -334,9 +381,19 @@ class NvshmemAllToAll final : public AllToAll {
       if (code != nvshmem::kPhasePeerAbort && config_.worldSize > 1) {
         board_.raise(kAbortFailed, dispatchSends_, failedCode_, failed_);
       }
+      if (agree_ && elastic_ && lostToPeer(code, static_cast<uint32_t>(r->peer))) recoverFromLoss();
     }
     detail::throwError(failedCode_, failed_ + " [this AllToAll object is unusable]", __FILE__, __LINE__);
   }
+
+  uint32_t fullMask() const { return config_.worldSize >= 32 ? ~0u : (1u << config_.worldSize) - 1; }
+  // Elastic ranks (below the class).
+  void openElastic();
+  bool lostToPeer(int32_t phase, uint32_t peer) const;
+  [[noreturn]] void recoverFromLoss();
+  void adoptView(uint32_t view);
+  void maskIndices(const TensorView& indices, uint32_t m, const int32_t* boundM, bool count, void* stream, bool combine,
+                   const void*& out, int32_t& kind, int64_t (&strides)[2]);
 
   Config config_;
   Bootstrap& bootstrap_;
@@ -359,7 +416,218 @@ class NvshmemAllToAll final : public AllToAll {
   PackedCombine packedCombine_[3];
   std::string failed_;
   ErrorCode failedCode_ = ErrorCode::kInternal;
+  // Elastic ranks (docs/failures.md): whether EPCOMM_ELASTIC is on, the agreement over the abort board (null where a
+  // rank does not share this node's board), the active ranks the kernels skip the others of (DeviceState::live) and
+  // this rank's view of them (0 once it was masked), whether it left, the masked indices of a dispatch and a combine
+  // (int32 [maxNumTokens][K] each, then the drop counter's two words) and the host-mapped drop count.
+  bool elastic_ = false;
+  std::unique_ptr<nvlink::ElasticAgreement> agree_;
+  uint32_t live_ = 0xffffffffu;
+  uint32_t view_ = 0xffffffffu;
+  bool left_ = false;
+  cuda::DeviceMemory maskScratch_;
+  cuda::PinnedMemory hostDrops_;
+  uint64_t* hostDropsDev_ = nullptr;
 };
+
+// Elastic ranks: the words of every rank on the abort board, as on nvlink (nvlink_agree.hpp). A peer whose process
+// the board sees gone leaves at once; one it cannot see (another pid namespace) is taken as alive: the timeout decides.
+// The agreement needs every rank on this node's board; where one is not (NVSHMEM between nodes), EPCOMM_ELASTIC is
+// refused here on every rank alike, and setActiveRanks raises `unavailable`.
+void NvshmemAllToAll::openElastic() {
+  const uint32_t W = config_.worldSize;
+  uint8_t shared = 1;
+  for (uint32_t r = 0; r < W; ++r) shared = shared && (r == config_.rank || board_.sharedWith(r));
+  if (elastic_) {
+    std::vector<uint8_t> all(W);
+    bootstrap_.allGather(&shared, all.data(), 1);
+    for (uint32_t r = 0; r < W; ++r) {
+      EPCOMM_CHECK(all[r] != 0, kUnavailable,
+                   "nvshmem backend: elastic ranks (EPCOMM_ELASTIC=1) need every rank on one node (the survivors "
+                   "agree on the mask over the node's shared abort board), but rank "
+                       << r
+                       << " does not share it with every other rank; leave EPCOMM_ELASTIC unset "
+                          "(docs/nvshmem.md, \"Elastic ranks\")");
+    }
+  }
+  if (!shared || W > 32) return;  // no agreement: setActiveRanks refuses
+  std::vector<uint64_t*> proposals(W), barriers(W);
+  for (uint32_t r = 0; r < W; ++r) {
+    proposals[r] = reinterpret_cast<uint64_t*>(board_.slot(r) + kElasticWordsOffset);
+    barriers[r] = proposals[r] + 1;
+  }
+  agree_ = std::make_unique<nvlink::ElasticAgreement>(proposals, barriers, config_.rank, env().timeoutMs,
+                                                      [this](uint32_t r) { return !board_.peerGone(r); });
+}
+
+// Whether a kernel error is a round lost to a peer that elastic ranks recover from: a wait that timed out, or a peer
+// whose own kernels failed so (not one that refused its call: that rank is alive and calls again).
+bool NvshmemAllToAll::lostToPeer(int32_t phase, uint32_t peer) const {
+  if (phase == nvshmem::kPhaseBadIndex || phase == nvshmem::kPhaseBadIndexCombine) return false;
+  if (phase != nvshmem::kPhasePeerAbort) return true;
+  if (peer >= config_.worldSize) return false;
+  const auto* note = reinterpret_cast<const AbortNote*>(board_.slot(peer) + kAbortNoteOffset);
+  // A peer whose kernel found a bad index failed on its input, not on a lost peer: that stays fatal.
+  return __atomic_load_n(&note->kind, __ATOMIC_ACQUIRE) == kAbortFailed &&
+         note->code != static_cast<int32_t>(ErrorCode::kDeviceError);
+}
+
+// The round in failed_ was lost: once this rank's kernels have stopped, the active ranks agree on who goes on, every
+// one resets its buffers as a new object would have them, and the call throws (the object goes on).
+void NvshmemAllToAll::recoverFromLoss() {
+  if (marks_.wait() != cudaSuccess) cudaGetLastError();
+  const uint32_t before = live_;
+  const nvlink::ElasticAgreement::Result agreed = agree_->agree(before);
+  std::ostringstream oss;
+  oss << failed_;
+  if (agreed.view == 0) {
+    left_ = true;
+    view_ = 0;
+    oss << "; the other ranks went on without this rank (" << agreed.maskedBy
+        << "): it takes no part in the object any more [this AllToAll object is unusable]";
+    failed_ = oss.str();
+    detail::throwError(failedCode_, failed_, __FILE__, __LINE__);
+  }
+  adoptView(agreed.view);
+  oss << "; the ranks agreed to go on";
+  if (before & ~agreed.view) oss << " without " << nvlink::rankSet(before & ~agreed.view, config_.worldSize);
+  oss << " (active: " << nvlink::rankSet(agreed.view, config_.worldSize)
+      << "): this call failed and its round is lost, the object goes on (the next call is a dispatch)";
+  detail::throwError(failedCode_, oss.str(), __FILE__, __LINE__);
+}
+
+// Every rank of `view` runs this after the agreement: no kernel of theirs runs (each proposed after its own stopped),
+// and no put of theirs is in flight (a put-with-signal over P2P has landed when its kernel ended). This rank's
+// symmetric buffers and scratch are reset to a new object's with local memsets only (no NVSHMEM call: a masked PE
+// may be dead), and the active ranks meet on the board before any of them launches again (nobody puts into buffers
+// that are still being reset).
+void NvshmemAllToAll::adoptView(uint32_t view) {
+  const uint32_t me = config_.rank;
+  live_ = view_ = view;
+  {
+    const cuda::Stream setup = cuda::makeStream();
+    EPCOMM_CHECK_CUDA(cudaMemsetAsync(sym_, 0, geo_.symmetricBytes, setup.get()));
+    EPCOMM_CHECK_CUDA(cudaMemsetAsync(scratch_, 0, geo_.scratchBytes, setup.get()));
+    EPCOMM_CHECK_CUDA(cudaStreamSynchronize(setup.get()));
+  }
+  std::memset(static_cast<void*>(hostError_), 0, sizeof(nvshmem::ErrorRecord));
+  __atomic_store_n(reinterpret_cast<uint32_t*>(board_.slot(me) + kAbortWordOffset), 0u, __ATOMIC_SEQ_CST);
+  board_.withdraw();
+  for (auto& p : packedDispatch_) p.valid = false;
+  for (auto& p : packedCombine_) p.valid = false;
+  order_.reset();
+  dispatchSends_ = 0;
+  dispatchedM_ = 0;
+  failed_.clear();
+  const uint32_t missing = agree_->barrier(view);
+  if (missing != 0) {
+    failed_ = "rank " + std::to_string(me) + ": after agreeing on the active " +
+              nvlink::rankSet(view, config_.worldSize) + ", " + nvlink::rankSet(missing, config_.worldSize) +
+              " did not reset in time";
+    failedCode_ = ErrorCode::kTimeout;
+    detail::throwError(failedCode_, failed_ + " [this AllToAll object is unusable]", __FILE__, __LINE__);
+  }
+}
+
+void NvshmemAllToAll::setActiveRanks(const std::vector<int32_t>& mask) {
+  checkUsable();
+  const uint32_t W = config_.worldSize, me = config_.rank;
+  EPCOMM_CHECK(agree_ != nullptr, kUnavailable,
+               "nvshmem rank " << me
+                               << ": setActiveRanks needs every rank on this node's shared abort board (at most 32 "
+                                  "ranks, POSIX shared memory): the survivors agree on the mask there, and NVSHMEM's "
+                                  "own collectives cannot run once a PE is masked");
+  EPCOMM_CHECK(order_.state() == CallOrder::State::kIdle, kInvalidArgument,
+               "nvshmem rank " << me << ": setActiveRanks while the object is '" << CallOrder::name(order_.state())
+                               << "' (call it between rounds)");
+  EPCOMM_CHECK(mask.size() == W, kInvalidArgument,
+               "setActiveRanks: the mask has " << mask.size() << " entries for " << W << " ranks");
+  uint32_t want = 0;
+  for (uint32_t r = 0; r < W; ++r) {
+    EPCOMM_CHECK(mask[r] == 0 || mask[r] == 1, kInvalidArgument,
+                 "setActiveRanks: entry " << r << " is " << mask[r] << " (1 = active, 0 = masked)");
+    EPCOMM_CHECK(mask[r] == 0 || ((live_ >> r) & 1u), kInvalidArgument,
+                 "setActiveRanks: rank " << r
+                                         << " is masked already and cannot be made active again (a rank that comes "
+                                            "back needs a new object with every rank)");
+    if (mask[r] != 0) want |= 1u << r;
+  }
+  EPCOMM_CHECK(want != 0, kInvalidArgument, "setActiveRanks: the mask leaves no rank active");
+  if (marks_.wait() != cudaSuccess) cudaGetLastError();
+  checkUsable();
+  if (!((want >> me) & 1u)) {
+    // This rank leaves: the others adopt the mask and meet; then nothing of theirs puts into its buffers.
+    const uint32_t missing = agree_->leave(want & live_, agree_->nextBarrier());
+    if (missing != 0) {
+      EPCOMM_LOG(kWarn, "nvshmem rank " << me << ": leaving, no answer from " << nvlink::rankSet(missing, W));
+    }
+    left_ = true;
+    view_ = want & live_;
+    failedCode_ = ErrorCode::kInvalidArgument;
+    failed_ = "nvshmem rank " + std::to_string(me) +
+              ": this rank left the object (setActiveRanks masked it) and takes no part in its rounds";
+    return;
+  }
+  const nvlink::ElasticAgreement::Result agreed = agree_->agree(want & live_);
+  if (agreed.view == 0) {
+    left_ = true;
+    view_ = 0;
+    failedCode_ = ErrorCode::kPeerFailure;
+    failed_ = "nvshmem rank " + std::to_string(me) + ": setActiveRanks: the other ranks went on without this rank (" +
+              agreed.maskedBy + ")";
+    detail::throwError(failedCode_, failed_, __FILE__, __LINE__);
+  }
+  const uint32_t lost = want & live_ & ~agreed.view;
+  adoptView(agreed.view);
+  EPCOMM_CHECK(lost == 0 || elastic_, kTimeout,
+               "nvshmem rank " << me << ": setActiveRanks: " << nvlink::rankSet(lost, W)
+                               << " did not answer within EPCOMM_TIMEOUT_MS and was masked too (active: "
+                               << nvlink::rankSet(agreed.view, W) << ")");
+}
+
+// The call's indices with the masked ranks' positions dropped (-1), into the dispatch's or the combine's scratch, on
+// the call's stream before its kernel (nvlink's index mask); `count`: the positions dropped are added to
+// droppedTokens.
+void NvshmemAllToAll::maskIndices(const TensorView& indices, uint32_t m, const int32_t* boundM, bool count,
+                                  void* stream, bool combine, const void*& out, int32_t& kind, int64_t (&strides)[2]) {
+  const uint64_t perCall = static_cast<uint64_t>(config_.maxNumTokens) * config_.expertsPerToken;
+  if (!maskScratch_) {
+    maskScratch_ = cuda::allocDevice(2 * perCall * sizeof(int32_t) + 16);
+    EPCOMM_CHECK_CUDA(cudaMemset(maskScratch_.get(), 0, 2 * perCall * sizeof(int32_t) + 16));
+    hostDrops_ = cuda::allocPinnedMapped(sizeof(uint64_t));
+    *static_cast<volatile uint64_t*>(hostDrops_.get()) = 0;
+    EPCOMM_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&hostDropsDev_), hostDrops_.get(), 0));
+  }
+  EPCOMM_CHECK(m <= config_.maxNumTokens, kInvalidArgument,
+               "rank " << config_.rank << ": indices have " << m << " rows, more than maxNumTokens");
+  int32_t* scratch = static_cast<int32_t*>(maskScratch_.get()) + (combine ? perCall : 0);
+  nvlink::MaskIndicesArgs a{};
+  a.indices = indices.data;
+  a.indexKind = indexKindOf(indices.dtype);
+  a.indexStrides[0] = indices.strides[0];
+  a.indexStrides[1] = indices.strides[1];
+  a.m = m;
+  a.topK = config_.expertsPerToken;
+  a.numExperts = config_.numExperts;
+  a.numLocalExperts = config_.numLocalExperts();
+  a.dpSize = config_.dpSize;
+  a.group = config_.rank / config_.dpSize;
+  a.live = live_;
+  a.boundM = boundM;
+  a.out = scratch;
+  if (count) {
+    a.drops = reinterpret_cast<unsigned long long*>(static_cast<int32_t*>(maskScratch_.get()) + 2 * perCall);
+    a.hostDrops = reinterpret_cast<unsigned long long*>(hostDropsDev_);
+  }
+  const int rc = nvlink::launchMaskIndices(a, stream);
+  EPCOMM_CHECK(rc == 0, kCuda,
+               "rank " << config_.rank << ": the elastic index mask failed to launch: "
+                       << cudaGetErrorString(static_cast<cudaError_t>(rc)));
+  out = scratch;
+  kind = 0;
+  strides[0] = config_.expertsPerToken;
+  strides[1] = 1;
+}
 
 }  // namespace
 

@@ -109,7 +109,7 @@ __device__ void combinePiece(const CombineKernelArgs& a, uint32_t s, uint32_t c,
       reinterpret_cast<uint64_t*>(a.st.sym + g.offCombSig) + (static_cast<uint64_t>(g.rank) * T + t) * g.pieces + p;
   const uint32_t first = (s / D) * D;
   for (uint32_t r = first; r < first + D; ++r) {
-    putSignalWarp(dst, partial, static_cast<size_t>(elems) * 4, sig, round, static_cast<int>(r));
+    if (liveRank(a.st, r)) putSignalWarp(dst, partial, static_cast<size_t>(elems) * 4, sig, round, static_cast<int>(r));
   }
 }
 
@@ -118,18 +118,21 @@ __device__ void combinePiece(const CombineKernelArgs& a, uint32_t s, uint32_t c,
 // and this rank's own, which every block waits for, come from block 0); then it waits for every rank's weights (so
 // every rank finished its last combine-recv: its partial buffers are free, and every put of the round into this rank
 // has landed before its doneSig below), then one warp per (record, piece) unit. The last block to finish SETs doneSig
-// on every rank: this rank no longer reads what they sent it this round.
+// on every rank: this rank no longer reads what they sent it this round. Masked ranks (DeviceState::live) are skipped
+// throughout: no weights, partials or doneSig go to them, and no wait is for them.
 template <int kY>
 __device__ void combineSendPhase(const CombineKernelArgs& a, uint32_t block, uint32_t* prefix) {
   const Geometry& g = a.g;
   const uint32_t W = g.worldSize, B = g.sendBlocks, P = g.pieces;
-  for (uint32_t i = block; i < W; i += B) putWeights(a, (g.rank + i) % W);
+  for (uint32_t i = block; i < W; i += B) {
+    if (liveRank(a.st, (g.rank + i) % W)) putWeights(a, (g.rank + i) % W);
+  }
   uint64_t* seq = seqOf(a.st, g, kCombineSend);
   const uint64_t round = seq[block] + 1;
   const uint64_t* wsig = reinterpret_cast<const uint64_t*>(a.st.sym + g.offWeightSig);
   bool ok = true;
   for (uint32_t s = threadIdx.x; s < W && ok; s += blockDim.x) {
-    ok = waitFor(wsig + s, round, a.st, g, kPhaseCombineWeights, s, -1);
+    if (liveRank(a.st, s)) ok = waitFor(wsig + s, round, a.st, g, kPhaseCombineWeights, s, -1);
   }
   if (__syncthreads_and(ok ? 1 : 0) != 0) {
     if (threadIdx.x < 32) senderPrefix(a.st.sym + g.offDispRecv, g, prefix);
@@ -147,7 +150,9 @@ __device__ void combineSendPhase(const CombineKernelArgs& a, uint32_t block, uin
     const uint64_t before = atomicAdd(reinterpret_cast<unsigned long long*>(&words[kWordCombineSendDone]), 1ull);
     if (before + 1 == round * B) {
       uint64_t* done = reinterpret_cast<uint64_t*>(a.st.sym + g.offDoneSig) + g.rank;
-      for (uint32_t d = 0; d < W; ++d) signalSet(done, round, static_cast<int>(d));
+      for (uint32_t d = 0; d < W; ++d) {
+        if (liveRank(a.st, d)) signalSet(done, round, static_cast<int>(d));
+      }
     }
     seq[block] = round;
   }
@@ -271,7 +276,7 @@ __device__ void combineRecvPhase(const CombineKernelArgs& a, uint32_t block) {
   const uint64_t* done = reinterpret_cast<const uint64_t*>(a.st.sym + g.offDoneSig);
   bool ok = true;
   for (uint32_t d = threadIdx.x; d < W && ok; d += blockDim.x) {
-    ok = waitFor(done + d, round, a.st, g, kPhaseCombineDone, d, -1);
+    if (liveRank(a.st, d)) ok = waitFor(done + d, round, a.st, g, kPhaseCombineDone, d, -1);
   }
   __syncthreads();
   if (threadIdx.x == 0) seq[block] = round;

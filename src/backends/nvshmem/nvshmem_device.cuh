@@ -118,6 +118,9 @@ __device__ __forceinline__ bool waitFor(const uint64_t* word, uint64_t want, con
                   static_cast<int32_t>(peer), detail);
 }
 
+// Whether rank r takes part in the rounds (DeviceState::live): a masked rank is never put to, signalled or waited for.
+__device__ __forceinline__ bool liveRank(const DeviceState& st, uint32_t r) { return r >= 32 || ((st.live >> r) & 1u); }
+
 // Tokens to consider: m, or the device bound when given (clamped to [0, m]).
 __device__ __forceinline__ uint32_t boundedM(uint32_t m, const int32_t* boundM) {
   if (boundM == nullptr) return m;

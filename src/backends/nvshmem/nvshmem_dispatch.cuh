@@ -62,6 +62,12 @@ __device__ void packPutUnit(const DispatchKernelArgs& a, uint32_t unit, uint32_t
   const uint64_t round = seq[unit] + 1;
   char* region = a.st.sym + g.offDispStage + static_cast<uint64_t>(d) * g.regionBytes;
   const uint32_t n = numTokensSentBy(g.rank, boundedM(a.m, a.boundM), D);
+  if (unit == 0 && threadIdx.x == 0) wordsOf(a.st, g)[kWordSent] = n;
+  if (!liveRank(a.st, d)) {
+    // A masked destination gets nothing (its positions were dropped from the indices) and waits for nothing.
+    if (threadIdx.x == 0) seq[unit] = round;
+    return;
+  }
   const uint32_t lo = c * g.chunkRecords, hiMax = lo + g.chunkRecords;
   for (uint32_t i = threadIdx.x; i < keys; i += blockDim.x) running[i] = 0;
   __syncthreads();
@@ -136,7 +142,6 @@ __device__ void packPutUnit(const DispatchKernelArgs& a, uint32_t unit, uint32_t
     for (uint32_t le = threadIdx.x; le < L; le += blockDim.x) header[kHeaderCounts + le] = running[le];
     if (threadIdx.x == 0) header[kHeaderRecords] = records;
   }
-  if (unit == 0 && threadIdx.x == 0) wordsOf(a.st, g)[kWordSent] = n;
   packPayloads(a, region, slots, from, hi);
   __syncthreads();
   const uint64_t begin = c == 0 ? 0 : recordOffset(g, from);
@@ -233,7 +238,8 @@ __device__ void dispatchRecvPhase(const DispatchKernelArgs& a, uint32_t block, u
   const uint64_t* sig = reinterpret_cast<const uint64_t*>(a.st.sym + g.offDispSig);
   bool ok = true;
   for (uint32_t i = threadIdx.x; i < W * C && ok; i += blockDim.x) {
-    ok = waitFor(sig + i, round, a.st, g, kPhaseDispatchRecv, i / C, i % C);
+    // A masked sender's region stays as the reset left it (zero: no records).
+    if (liveRank(a.st, i / C)) ok = waitFor(sig + i, round, a.st, g, kPhaseDispatchRecv, i / C, i % C);
   }
   if (__syncthreads_and(ok ? 1 : 0) != 0) {
     rowTables(g, a.st.sym + g.offDispRecv, rowBase, expertBase, prefix, block == 0 ? a.outNumTokens : nullptr);

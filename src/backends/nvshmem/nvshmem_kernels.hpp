@@ -42,6 +42,10 @@ struct DeviceState {
   char* scratch;           ///< private device scratch (Geometry::offRows ... offWords), zeroed at creation
   ErrorRecord* hostError;  ///< device pointer of the host-mapped error record
   uint64_t timeoutNs;      ///< bound of every device wait (EPCOMM_TIMEOUT_MS)
+  /// Elastic ranks: bit r set while rank r takes part (every bit while none is masked; ranks >= 32 are never masked).
+  /// A masked rank is never put to, signalled or waited for; the positions of its experts are dropped from the
+  /// indices before the kernels (docs/failures.md, "Elastic ranks").
+  uint32_t live;
 };
 
 /// Arguments of the dispatch kernel: the send half's fields (used when it runs the send half), then the receive
