@@ -1,8 +1,8 @@
-// The elastic-ranks cases that the GPU backends offering them (nvlink, proxy) run alike (docs/failures.md "Elastic
-// ranks"): a rank killed with SIGKILL at one of three points of a round, after which every survivor's failing call
-// names it and the same object goes on under the mask; and the caller's setActiveRanks without a death. The caller
-// sets the environment (EPCOMM_TIMEOUT_MS, EPCOMM_ELASTIC, the backend's own variables) and skips where the backend
-// cannot run.
+// The elastic-ranks cases that the GPU backends offering them (nvlink, proxy, nvshmem) run alike (docs/failures.md
+// "Elastic ranks"): a rank killed with SIGKILL at one of three points of a round, after which every survivor's failing
+// call names it and the same object goes on under the mask; and the caller's setActiveRanks without a death. The
+// caller sets the environment (EPCOMM_TIMEOUT_MS, EPCOMM_ELASTIC, the backend's own variables) and skips where the
+// backend cannot run.
 #pragma once
 
 #include <cuda_runtime.h>
