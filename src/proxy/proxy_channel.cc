@@ -523,32 +523,40 @@ void ProxyChannel::waitLocalCompletions(const char* what, uint32_t round) {
     waitPeerCompletions(what, round);
     return;
   }
+  const uint32_t kind = std::strcmp(what, "combine") == 0 ? 1 : 0;
+  // Every engine call below throws the engine's error as the engine words it ("scatter to peer 1 ... failed": no rank,
+  // no phase, and a PeerId that is not a rank). A peer that closed its connection after saying why (its notice) is
+  // heard first, as in waitFromPeers; else the error gains this rank, the phase and the peers written to.
+  auto failed = [&](const Error& e) {
+    awaitNoticeAfterFailure(kind, round, {});
+    rethrowEngineError(e, prefix(what, round) + ": a write of this rank to " + rankList(peerRanks_) + " failed");
+  };
   const int64_t startUs = nowUs();
   Backoff backoff;
   while (localDone_.load(std::memory_order_acquire) < localPosted_) {
     try {
       engine_->checkErrors();
     } catch (const Error& e) {
-      rethrowEngineError(e, prefix(what, round) + ": a write of this rank to " + rankList(peerRanks_) + " failed");
+      failed(e);
     }
     EPCOMM_CHECK(!stop_.load(), kInternal, prefix(what, round) << ": abandoned (object destroyed)");
-    checkNotices(std::strcmp(what, "combine") == 0 ? 1 : 0, round, {}, currentJobSeq_);
+    checkNotices(kind, round, {}, currentJobSeq_);
     if (nowUs() - startUs < kDriveAfterUs) {
       backoff.pause();
       continue;
     }
-    if (driver_ != nullptr) {
-      // In slices, as in waitFromPeers; the engine fails an operation that outlives its deadline (checkErrors).
-      driveFor([&] { return localDone_.load(std::memory_order_acquire) >= localPosted_ || noticePending(); }, 20);
-      continue;
-    }
-    // As in waitFromPeers: a long wait drives the engine from this thread (bounded by the engine's timeout).
-    std::ostringstream oss;
-    oss << prefix(what, round) << ": this rank's writes to " << rankList(peerRanks_) << " did not complete";
     try {
-      engine_->waitCounter(localDone_, localPosted_, oss.str());
+      if (driver_ != nullptr) {
+        // In slices, as in waitFromPeers; the engine fails an operation that outlives its deadline.
+        driveFor([&] { return localDone_.load(std::memory_order_acquire) >= localPosted_ || noticePending(); }, 20);
+      } else {
+        // As in waitFromPeers: a long wait drives the engine from this thread (bounded by the engine's timeout).
+        engine_->waitCounter(
+            localDone_, localPosted_,
+            prefix(what, round) + ": this rank's writes to " + rankList(peerRanks_) + " did not complete");
+      }
     } catch (const Error& e) {
-      rethrowEngineError(e, prefix(what, round) + ": a write of this rank to " + rankList(peerRanks_) + " failed");
+      failed(e);
     }
   }
 }

@@ -295,8 +295,13 @@ void ProxyChannel::runAgreement(int32_t code, const std::string& text, const std
     }
     if (nowUs() - startUs < kDriveAfterUs) {
       backoff.pause();
-    } else {
+      continue;
+    }
+    try {
       driveFor([&] { return recordPending(); }, 20);
+    } catch (const Error& e) {
+      // Not elastic (setActiveRanks on a channel that is not): the engine's error, as it words it, gains the step.
+      detail::throwError(e.code(), where.str() + ": " + e.message(), e.file(), e.line());
     }
   }
   agreedLost_ = lostStep_;

@@ -151,7 +151,11 @@ class Driver {
 
 // Where rank 2 dies in round 2: its caller right after handing the dispatch (combine) to the exchanging thread, or
 // its exchanging thread right after posting the dispatch's heads (the combine's immediates) to every peer.
-enum class KillAt { kDispatchPosted, kHeadsSent, kCombinePosted, kCombineSent };
+// HeadsSentLate: as HeadsSent, but the survivors start round 2 late (rank 1 after kLateMs, rank 0 after 3 kLateMs), as
+// on a loaded machine: rank 2's head is there, so their dispatch waits for their own writes, and the one to the dead
+// rank fails (or, over tcp, is refused until its deadline) during that wait.
+enum class KillAt { kDispatchPosted, kHeadsSent, kCombinePosted, kCombineSent, kHeadsSentLate };
+constexpr int kLateMs = 100;
 
 const char* killName(KillAt k) {
   switch (k) {
@@ -163,6 +167,8 @@ const char* killName(KillAt k) {
       return "CombinePosted";
     case KillAt::kCombineSent:
       return "CombineSent";
+    case KillAt::kHeadsSentLate:
+      return "HeadsSentLate";
   }
   return "?";
 }
@@ -174,6 +180,7 @@ TEST_P(ChannelKill, SurvivorsNameTheDeadRankAndCloseCleanly) {
   const std::string provider = std::get<0>(GetParam());
   const bool external = std::get<1>(GetParam());
   const KillAt killAt = std::get<2>(GetParam());
+  const bool headsSent = killAt == KillAt::kHeadsSent || killAt == KillAt::kHeadsSentLate;
   const bool inCombine = killAt == KillAt::kCombinePosted || killAt == KillAt::kCombineSent;
   SKIP_WITHOUT(provider);
   const char* env = std::getenv("HOST_KILL_REPEATS");
@@ -190,11 +197,11 @@ TEST_P(ChannelKill, SurvivorsNameTheDeadRankAndCloseCleanly) {
           o.bulkOverFabric.assign(kWorld, false);
           o.externalDriver = external;
           o.fixedCombineSend = external;
-          if (rank == static_cast<int>(kVictim) && (killAt == KillAt::kHeadsSent || killAt == KillAt::kCombineSent)) {
+          if (rank == static_cast<int>(kVictim) && (headsSent || killAt == KillAt::kCombineSent)) {
             // Round 2's post of the chosen phase: the exchanging thread dies with the writes just handed over.
             auto posts = std::make_shared<int>(0);
-            o.onPosted = [posts, killAt](proxy::Phase phase) {
-              if ((phase == proxy::Phase::kHead) != (killAt == KillAt::kHeadsSent)) return;
+            o.onPosted = [posts, headsSent](proxy::Phase phase) {
+              if ((phase == proxy::Phase::kHead) != headsSent) return;
               if (++*posts == 3) raise(SIGKILL);
             };
           }
@@ -240,11 +247,14 @@ TEST_P(ChannelKill, SurvivorsNameTheDeadRankAndCloseCleanly) {
             dispatch(2, true, true);
             combine(2, true, false);
           } else {
+            if (killAt == KillAt::kHeadsSentLate && rank != static_cast<int>(kVictim)) {
+              std::this_thread::sleep_for(std::chrono::milliseconds(rank == 0 ? 3 * kLateMs : kLateMs));
+            }
             dispatch(2, true, false);
           }
           if (rank == static_cast<int>(kVictim)) {
             // Its exchanging thread kills it once the writes are posted (bounded: else it dies here).
-            if (killAt == KillAt::kHeadsSent || killAt == KillAt::kCombineSent) {
+            if (headsSent || killAt == KillAt::kCombineSent) {
               std::this_thread::sleep_for(std::chrono::seconds(5));
             }
             raise(SIGKILL);
@@ -297,7 +307,8 @@ TEST_P(ChannelKill, SurvivorsNameTheDeadRankAndCloseCleanly) {
 INSTANTIATE_TEST_SUITE_P(Host, ChannelKill,
                          ::testing::Combine(::testing::Values("tcp", "shm"), ::testing::Bool(),
                                             ::testing::Values(KillAt::kDispatchPosted, KillAt::kHeadsSent,
-                                                              KillAt::kCombinePosted, KillAt::kCombineSent)),
+                                                              KillAt::kCombinePosted, KillAt::kCombineSent,
+                                                              KillAt::kHeadsSentLate)),
                          [](const auto& info) {
                            return std::get<0>(info.param) + (std::get<1>(info.param) ? "_External_" : "_OwnThread_") +
                                   killName(std::get<2>(info.param));
