@@ -81,7 +81,8 @@ __device__ __noinline__ void recordPeerAbort(int32_t* claimed, ErrorRecord* host
 // The spin of waitFor once the word was not ready at the first look: out of line, so every wait inlines one load and
 // a compare. Every 256 polls it checks whether another wait of this object failed (then it stops) and whether
 // EPCOMM_TIMEOUT_MS passed: then it records (phase, peer, value seen, round wanted, detail) and stops; and whether a
-// peer aborted (its abort word): then it records that and stops. Never traps.
+// peer aborted (its abort word): then, unless the word is ready at one more look, it records that and stops. Never
+// traps.
 __device__ __noinline__ bool waitSlow(const uint64_t* word, uint64_t want, int32_t* claimed, ErrorRecord* hostError,
                                       uint64_t timeoutNs, int32_t phase, int32_t rank, int32_t peer, int64_t detail) {
   const uint64_t start = globalTimerNs();
@@ -94,8 +95,14 @@ __device__ __noinline__ bool waitSlow(const uint64_t* word, uint64_t want, int32
     if (v >= want) return true;
     if ((i & 255) == 0) {
       if (*reinterpret_cast<volatile int32_t*>(claimed) != 0) return false;
-      // A peer that refused its call (or whose object failed) set this rank's abort word: the wait stops.
+      // A peer that refused its call (or whose object failed) set this rank's abort word: the wait stops, unless the
+      // word is ready at one more look. An abort says that the round will not complete, not that this wait's data
+      // will not come (a rank that refuses its combine delivered its dispatch), and this thread may have been
+      // preempted between its last poll and the look at the abort word (PEs sharing a GPU); the fence makes the
+      // abort word's load an acquire of what the aborting rank's host saw its kernels complete.
       if (peerAbortOf(hostError) != 0) {
+        __threadfence_system();
+        if (ldAcquireSys(word) >= want) return true;
         recordPeerAbort(claimed, hostError, phase, rank, peer);
         return false;
       }
