@@ -2,6 +2,7 @@
 // rank lists for messages.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <sstream>
@@ -50,6 +51,28 @@ inline std::string rankList(const std::vector<uint32_t>& ranks) {
   oss << (ranks.size() == 1 ? "rank " : "ranks ");
   for (size_t i = 0; i < ranks.size(); ++i) oss << (i ? ", " : "") << ranks[i];
   return oss.str();
+}
+
+// Of `ranks`, those whose PeerId (peerIds, indexed by rank) an engine error cites: the engines word a failed operation
+// "<what> to peer <PeerId> (NIC ...", and a PeerId is not a rank (the channel's skip its own). Empty when it cites none
+// (an error of the engine as a whole).
+inline std::vector<uint32_t> ranksCitedBy(const std::string& message, const std::vector<uint32_t>& peerIds,
+                                          const std::vector<uint32_t>& ranks) {
+  std::vector<uint32_t> cited;
+  const std::string key = " to peer ";
+  for (size_t at = message.find(key); at != std::string::npos; at = message.find(key, at + key.size())) {
+    size_t end = at + key.size();
+    uint64_t id = 0;
+    while (end < message.size() && message[end] >= '0' && message[end] <= '9' && id < (1ull << 32)) {
+      id = id * 10 + static_cast<uint64_t>(message[end++] - '0');
+    }
+    if (end == at + key.size()) continue;
+    for (uint32_t r : ranks) {
+      if (peerIds[r] == id && std::find(cited.begin(), cited.end(), r) == cited.end()) cited.push_back(r);
+    }
+  }
+  std::sort(cited.begin(), cited.end());
+  return cited;
 }
 
 }  // namespace proxy

@@ -20,11 +20,6 @@ namespace {
 
 std::atomic<uint32_t> gNextObjectId{0};
 
-// Rethrows an engine error with `context` (rank, phase, peers) in front of the engine's message, keeping its code.
-[[noreturn]] void rethrowEngineError(const Error& e, const std::string& context) {
-  detail::throwError(e.code(), context + ": " + e.message(), e.file(), e.line());
-}
-
 }  // namespace
 
 void ProxyChannel::FreeBytes::operator()(uint8_t* p) const { std::free(p); }
@@ -174,6 +169,16 @@ ProxyChannel::~ProxyChannel() {
 }
 
 std::string ProxyChannel::providerName() const { return engine_->providerName(); }
+
+void ProxyChannel::rethrowEngineError(const Error& e, const std::string& context,
+                                      const std::vector<uint32_t>& writtenTo) const {
+  // The engine's code is kept (its kTimeout stays kTimeout, a dead peer's kFabric stays kFabric): callers branch on it.
+  // The engine knows PeerIds, not ranks ("scatter to peer 1 ... failed"): the message names the rank written to.
+  std::vector<uint32_t> ranks = ranksCitedBy(e.message(), peerIds_, peerRanks_);
+  if (ranks.empty()) ranks = writtenTo;
+  const std::string to = ranks.empty() ? "" : ": a write of this rank to " + rankList(ranks) + " failed";
+  detail::throwError(e.code(), context + to + ": " + e.message(), e.file(), e.line());
+}
 
 uint64_t ProxyChannel::bufferBytes() const {
   return sizes_.sendBytes + sizes_.recvBytes + combineSendCapacity_ + sizes_.combineRecvBytes;
@@ -526,10 +531,10 @@ void ProxyChannel::waitLocalCompletions(const char* what, uint32_t round) {
   const uint32_t kind = std::strcmp(what, "combine") == 0 ? 1 : 0;
   // Every engine call below throws the engine's error as the engine words it ("scatter to peer 1 ... failed": no rank,
   // no phase, and a PeerId that is not a rank). A peer that closed its connection after saying why (its notice) is
-  // heard first, as in waitFromPeers; else the error gains this rank, the phase and the peers written to.
+  // heard first, as in waitFromPeers; else the error gains this rank, the phase and the rank written to.
   auto failed = [&](const Error& e) {
     awaitNoticeAfterFailure(kind, round, {});
-    rethrowEngineError(e, prefix(what, round) + ": a write of this rank to " + rankList(peerRanks_) + " failed");
+    rethrowEngineError(e, prefix(what, round), peerRanks_);
   };
   const int64_t startUs = nowUs();
   Backoff backoff;
@@ -566,8 +571,6 @@ void ProxyChannel::checkTransfers(const std::string& context) {
     try {
       engine_->checkErrors();
     } catch (const Error& e) {
-      // The engine's code is kept (its kTimeout stays kTimeout, a dead peer's kFabric stays kFabric): callers branch
-      // on it; only the message gains this rank, the phase and the peers still awaited.
       rethrowEngineError(e, context);
     }
     return;

@@ -235,6 +235,10 @@ class ProxyChannel {
   uint32_t roundOf(const Job& job) const { return job.round - epochBase_.load(); }
   // Throws the first transfer error: the engine's (non-elastic), or a failed write to an active peer (per peer).
   void checkTransfers(const std::string& context);
+  // Rethrows an engine error, keeping its code, with `context` (rank, phase, peers awaited) and the rank that a failed
+  // write went to in front of the engine's message; `writtenTo` when the message cites no PeerId of a peer.
+  [[noreturn]] void rethrowEngineError(const Error& e, const std::string& context,
+                                       const std::vector<uint32_t>& writtenTo = {}) const;
 
   // ---- Elastic ranks (proxy_elastic.cc) ----
   // Writes one at a time with a completion per peer: elastic (a failed write names its peer), or once a rank is

@@ -300,8 +300,7 @@ void ProxyChannel::runAgreement(int32_t code, const std::string& text, const std
     try {
       driveFor([&] { return recordPending(); }, 20);
     } catch (const Error& e) {
-      // Not elastic (setActiveRanks on a channel that is not): the engine's error, as it words it, gains the step.
-      detail::throwError(e.code(), where.str() + ": " + e.message(), e.file(), e.line());
+      rethrowEngineError(e, where.str());  // not elastic (setActiveRanks on a plain channel): driveFor throws it
     }
   }
   agreedLost_ = lostStep_;

@@ -65,10 +65,11 @@ void packHeads(proxy::ProxyChannel& ch, uint32_t tokens) {
 // The channel's PeerIds follow the ranks, skipping its own: the victim's id on `rank`.
 uint32_t victimPeer(int rank) { return rank < static_cast<int>(kVictim) ? kVictim - 1 : kVictim; }
 
-// Whether a survivor's error blames `victim`: it names the rank (the channel's "rank 2" / "ranks 0, 2"), every engine
-// operation it cites went to the victim's PeerId, and every wait of the round the victim died in (`killRound`) that
-// timed out waited for the victim alone. A survivor whose round completed (the victim's last writes reached it, not the
-// other survivor) may time out in the next round on the victim and on the survivor still stuck behind, both named.
+// Whether a survivor's error blames `victim`: it names the rank (the channel's "rank 2" / "ranks 0, 2"), every failed
+// write it names went to the victim (the channel's "a write of this rank to rank 2", the engine's PeerId), and every
+// wait of the round the victim died in (`killRound`) that timed out waited for the victim alone. A survivor whose round
+// completed (the victim's last writes reached it, not the other survivor) may time out in the next round on the victim
+// and on the survivor still stuck behind, both named.
 bool blamesOnly(const std::string& m, uint32_t victim, uint32_t peer, uint32_t killRound) {
   const std::string v = std::to_string(victim);
   if (!std::regex_search(m, std::regex("ranks? ([0-9]+, )*" + v + "([^0-9]|$)"))) return false;
@@ -78,6 +79,10 @@ bool blamesOnly(const std::string& m, uint32_t victim, uint32_t peer, uint32_t k
     const std::string awaited = (*it)[2].str();
     if (round <= killRound && awaited != "rank " + v) return false;
     if (!std::regex_search(awaited, std::regex("([^0-9]|^)" + v + "$"))) return false;
+  }
+  const std::regex writeTo("a write of this rank to (ranks? [0-9]+(?:, [0-9]+)*) failed");
+  for (auto it = std::sregex_iterator(m.begin(), m.end(), writeTo); it != std::sregex_iterator(); ++it) {
+    if ((*it)[1].str() != "rank " + v) return false;
   }
   const std::regex toPeer("to peer ([0-9]+)");
   for (auto it = std::sregex_iterator(m.begin(), m.end(), toPeer); it != std::sregex_iterator(); ++it) {
