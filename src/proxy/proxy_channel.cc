@@ -124,6 +124,8 @@ ProxyChannel::ProxyChannel(const Config& config, Bootstrap& bootstrap, const Cha
   lastHeard_.assign(world_, 0);
   peerPosted_.assign(world_, 0);
   peerWrites_ = std::make_shared<PeerWrites>(world_);
+  noticePosted_.assign(world_, 0);
+  noticeWrites_ = std::make_shared<PeerWrites>(world_);
   driver_ = dynamic_cast<fabric::EngineBase*>(engine_.get());
   stats_.peers.assign(world_, PeerOps{});
   // Nobody writes before every peer has registered its buffers and added its peers.
@@ -149,22 +151,15 @@ ProxyChannel::~ProxyChannel() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
-  // Operations this rank posted finish (or fail) before their buffers are deregistered.
+  // Operations this rank posted finish (or fail) before their buffers are deregistered. The notices first: a live
+  // peer may wait for one to end its exchange at once, even when a write to a dead peer left an error in the engine.
   const int64_t deadline = nowMs() + std::min<int64_t>(timeoutMs_, 2000);
+  std::lock_guard<std::mutex> lock(noticeMu_);
+  awaitNotices(deadline);
   Backoff backoff;
   while (localDone_.load() < localPosted_ && nowMs() < deadline) backoff.pause();
   for (uint32_t p : peerRanks_) {
     while (peerWrites_->done[p].load() < peerPosted_[p] && nowMs() < deadline) backoff.pause();
-  }
-  // Notices to peers that are gone fail (the engine records it) or never complete: neither is worth more waiting.
-  std::lock_guard<std::mutex> lock(noticeMu_);
-  while (noticeDone_.load() < noticePosted_ && nowMs() < deadline) {
-    try {
-      engine_->checkErrors();
-    } catch (const Error&) {
-      break;
-    }
-    backoff.pause();
   }
 }
 

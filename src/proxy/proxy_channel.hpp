@@ -350,10 +350,8 @@ class ProxyChannel {
   std::string userNotice_;                       // a peer's refusal for the caller waiting on userNoticeSeq_
   uint64_t userNoticeSeq_ = 0;
   std::atomic<bool> failedByNotice_{false};  // the exchange failed because of a peer's notice: do not echo it
-  std::mutex noticeMu_;                      // serialises sendNotice
+  std::mutex noticeMu_;                      // serialises sendNotice, and guards noticePosted_
   uint32_t noticeSeq_ = 0;
-  std::atomic<uint64_t> noticeDone_{0};
-  uint64_t noticePosted_ = 0;
 
   // Elastic ranks. active_ is the agreed mask (written by the exchanging thread, under mu_ for readers elsewhere),
   // view_ this rank's proposal (active_ less the ranks it takes for lost), epoch_ the number of agreements so far;
@@ -378,9 +376,28 @@ class ProxyChannel {
     std::unique_ptr<std::atomic<uint64_t>[]> done;  // completions (success or failure) per peer
     std::mutex mu;
     std::vector<std::string> error;  // first failure per peer
+    // The completion of a write to peer p: counts it in `writes` (kept alive by the callback) and keeps its error.
+    static fabric::Completion completionFor(const std::shared_ptr<PeerWrites>& writes, uint32_t p) {
+      fabric::Completion c;
+      c.callback = [writes, p](const std::string& e) {
+        if (!e.empty()) {
+          std::lock_guard<std::mutex> lock(writes->mu);
+          if (writes->error[p].empty()) writes->error[p] = e;
+        }
+        writes->done[p].fetch_add(1, std::memory_order_acq_rel);
+      };
+      return c;
+    }
   };
   std::vector<uint64_t> peerPosted_;
   std::shared_ptr<PeerWrites> peerWrites_;
+  // Writes of sendNotice, the same way: posted per peer (under noticeMu_), and what their completions report.
+  std::vector<uint64_t> noticePosted_;
+  std::shared_ptr<PeerWrites> noticeWrites_;
+  // With noticeMu_ held: waits until every notice this rank posted to a peer not known lost has completed, or until
+  // deadlineMs (absolute). A peer is known lost when a write of this rank to it failed (a notice, a postToPeer write,
+  // or the one the engine's recorded error cites), or the agreed mask leaves it out: a write to it may never complete.
+  void awaitNotices(int64_t deadlineMs);
   // The first failed write to peer p since the channel was created ("" if none).
   std::string peerError(uint32_t p) const;
   // Agreement slots: 2 per sender (by epoch parity), then this rank's outgoing record.

@@ -46,15 +46,7 @@ std::string ProxyChannel::peerError(uint32_t p) const {
 void ProxyChannel::postToPeer(uint32_t p, const fabric::MemoryRegion* src, uint64_t srcOffset,
                               const fabric::MemoryDesc* dst, uint64_t dstOffset, uint64_t length, uint32_t imm) {
   ++peerPosted_[p];
-  fabric::Completion done;
-  std::shared_ptr<PeerWrites> writes = peerWrites_;
-  done.callback = [writes, p](const std::string& error) {
-    if (!error.empty()) {
-      std::lock_guard<std::mutex> lock(writes->mu);
-      if (writes->error[p].empty()) writes->error[p] = error;
-    }
-    writes->done[p].fetch_add(1, std::memory_order_acq_rel);
-  };
+  fabric::Completion done = PeerWrites::completionFor(peerWrites_, p);
   if (length == 0) {
     engine_->immediate(peerIds_[p], imm, std::move(done));
   } else {

@@ -42,11 +42,9 @@ void ProxyChannel::sendNotice(uint32_t kind, uint32_t round, bool fatal, ErrorCo
   if (peerRanks_.empty() || noticeMr_ == nullptr) return;
   try {
     std::lock_guard<std::mutex> lock(noticeMu_);
-    // The outgoing slot is the source of the previous notice's writes: let them leave first (bounded: a write to a
-    // dead peer may never complete, and a notice is best effort).
-    const int64_t deadline = nowMs() + 1000;
-    Backoff backoff;
-    while (noticeDone_.load() < noticePosted_ && nowMs() < deadline) backoff.pause();
+    // The outgoing slot is the source of the previous notice's writes: let those to live peers leave first (bounded:
+    // a write to a dead peer that has not failed yet may never complete, and a notice is best effort).
+    awaitNotices(nowMs() + 1000);
     NoticeWire w{};
     w.seq = ++noticeSeq_;
     w.round = round;
@@ -58,15 +56,47 @@ void ProxyChannel::sendNotice(uint32_t kind, uint32_t round, bool fatal, ErrorCo
     w.seqEnd = w.seq;
     const uint64_t outgoing = static_cast<uint64_t>(world_) * kNoticeBytes;
     std::memcpy(noticeBuf_.get() + outgoing, &w, sizeof(w));
-    fabric::Completion done;
-    done.counter = &noticeDone_;
     for (uint32_t p : peerRanks_) {
-      ++noticePosted_;
+      ++noticePosted_[p];
       engine_->write(peerIds_[p], *noticeMr_, outgoing, noticeDescs_[p], static_cast<uint64_t>(rank_) * kNoticeBytes,
-                     kNoticeBytes, true, encodeImm(tagId_, Phase::kNotice, 0, rank_), done);
+                     kNoticeBytes, true, encodeImm(tagId_, Phase::kNotice, 0, rank_),
+                     PeerWrites::completionFor(noticeWrites_, p));
     }
   } catch (...) {
     // Best effort: without the notice the peers still end their waits at the timeout.
+  }
+}
+
+void ProxyChannel::awaitNotices(int64_t deadlineMs) {
+  std::vector<uint8_t> lost(world_, 0);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (uint32_t p = 0; p < world_; ++p) lost[p] = active_[p] ? 0 : 1;
+  }
+  bool engineChecked = false;
+  Backoff backoff;
+  for (;;) {
+    bool pending = false;
+    for (uint32_t p : peerRanks_) {
+      if (lost[p] || noticeWrites_->done[p].load(std::memory_order_acquire) >= noticePosted_[p]) continue;
+      {
+        std::lock_guard<std::mutex> lock(noticeWrites_->mu);
+        if (!noticeWrites_->error[p].empty()) lost[p] = 1;
+      }
+      if (!peerError(p).empty()) lost[p] = 1;
+      pending = pending || !lost[p];
+    }
+    if (!pending || nowMs() >= deadlineMs) return;
+    if (!engineChecked) {
+      // The engine keeps its first error only, and for good: the peer its failed write went to, once.
+      try {
+        engine_->checkErrors();
+      } catch (const Error& e) {
+        engineChecked = true;
+        for (uint32_t p : ranksCitedBy(e.message(), peerIds_, peerRanks_)) lost[p] = 1;
+      }
+    }
+    backoff.pause();
   }
 }
 
