@@ -481,6 +481,7 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
         oss << prefix(what, round) << ": no " << phaseName(phase) << " from " << rankList(lost) << " after "
             << nowMs() - start << " ms (peer dead or stalled?)";
         if (elastic_) throw PeerLoss{ErrorCode::kTimeout, oss.str(), lost, kNoLostStep, {}};
+        if (lost.size() > 1) awaitNoticeBeforeTimeout(noticeKind, round, senders);  // a peer's may name the lost one
         detail::throwError(ErrorCode::kTimeout, oss.str(), __FILE__, __LINE__);
       }
     }

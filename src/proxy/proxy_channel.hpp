@@ -296,6 +296,12 @@ class ProxyChannel {
   // why before closing its connection is heard: throws its fatal notice, or its refusal of this step as kPeerFailure;
   // returns when none came.
   void awaitNoticeAfterFailure(uint32_t kind, uint32_t round, const std::vector<uint32_t>& awaited);
+  // Before a timeout that names several peers (exchanging thread only): one of them may wait itself for another one,
+  // and its own timeout, due about now, names the rank that is gone. Reads the notices for up to min(500 ms, a quarter
+  // of the timeout), driving the engine: throws a peer's fatal notice as above; returns when none came.
+  void awaitNoticeBeforeTimeout(uint32_t kind, uint32_t round, const std::vector<uint32_t>& awaited);
+  // Throws a peer's fatal notice, or its refusal of this step as kPeerFailure, if one has come.
+  void throwNoticeIfAny(uint32_t kind, uint32_t round, const std::vector<uint32_t>& awaited);
   // Waits until done() or budgetMs, driving the engine from this thread when it can.
   bool driveFor(const std::function<bool()>& done, int64_t budgetMs);
   bool noticePending() const;

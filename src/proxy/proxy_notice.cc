@@ -20,21 +20,36 @@ bool ProxyChannel::noticePending() const {
   return false;
 }
 
+void ProxyChannel::throwNoticeIfAny(uint32_t kind, uint32_t round, const std::vector<uint32_t>& awaited) {
+  checkNotices(kind, round, awaited, currentJobSeq_);  // a peer's fatal notice throws here, and wins
+  std::lock_guard<std::mutex> lock(mu_);
+  if (userNoticeSeq_ == currentJobSeq_ && !userNotice_.empty()) {
+    // A peer refused this step: its message is this exchange's error (the caller's call fails with it).
+    std::string message;
+    message.swap(userNotice_);
+    detail::throwError(ErrorCode::kPeerFailure, message, __FILE__, __LINE__);
+  }
+}
+
 void ProxyChannel::awaitNoticeAfterFailure(uint32_t kind, uint32_t round, const std::vector<uint32_t>& awaited) {
   const int64_t start = nowMs();
   const int64_t graceMs = std::min<int64_t>(200, timeoutMs_ / 4);
   while (nowMs() - start <= graceMs) {
-    checkNotices(kind, round, awaited, currentJobSeq_);  // a peer's fatal notice throws here, and wins
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (userNoticeSeq_ == currentJobSeq_ && !userNotice_.empty()) {
-        // A peer refused this step: its message is this exchange's error (the caller's call fails with it).
-        std::string message;
-        message.swap(userNotice_);
-        detail::throwError(ErrorCode::kPeerFailure, message, __FILE__, __LINE__);
-      }
-    }
+    throwNoticeIfAny(kind, round, awaited);
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+void ProxyChannel::awaitNoticeBeforeTimeout(uint32_t kind, uint32_t round, const std::vector<uint32_t>& awaited) {
+  const int64_t start = nowMs();
+  const int64_t graceMs = std::min<int64_t>(500, timeoutMs_ / 4);
+  while (nowMs() - start <= graceMs) {
+    throwNoticeIfAny(kind, round, awaited);
+    try {
+      driveFor([&] { return noticePending(); }, 5);  // the engine moves on meanwhile (a notice is a write)
+    } catch (const Error&) {
+      return;  // the engine failed: the caller's timeout stands
+    }
   }
 }
 
