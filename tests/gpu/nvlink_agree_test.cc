@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "backends/nvlink/nvlink_agree.hpp"
+#include "epcomm/error.hpp"
 
 namespace epcomm {
 namespace nvlink {
@@ -104,6 +105,23 @@ TEST(NvlinkAgree, LeaveWaitsForTheOthersBarrier) {
   EXPECT_EQ(views[0], 0b011u);
   EXPECT_EQ(views[1], 0b011u);
   EXPECT_EQ(missing.load(), 0u);
+}
+
+TEST(NvlinkAgree, RequestedViewChecksTheMask) {
+  EXPECT_EQ(requestedView({1, 0, 1}, 3, 0b111), 0b101u);
+  auto refused = [](const std::vector<int32_t>& mask, uint32_t live, const char* text) {
+    try {
+      requestedView(mask, 3, live);
+      ADD_FAILURE() << "no error, expected: " << text;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(e.message().find(text), std::string::npos) << e.what();
+    }
+  };
+  refused({1, 1}, 0b111, "the mask has 2 entries for 3 ranks");
+  refused({1, 2, 1}, 0b111, "entry 1 is 2 (1 = active, 0 = masked)");
+  refused({1, 1, 1}, 0b011, "rank 2 is masked already and cannot be made active again");
+  refused({0, 0, 0}, 0b111, "the mask leaves no rank active");
 }
 
 }  // namespace

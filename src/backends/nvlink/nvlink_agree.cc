@@ -4,6 +4,8 @@
 #include <sstream>
 #include <thread>
 
+#include "epcomm/error.hpp"
+
 namespace epcomm {
 namespace nvlink {
 
@@ -118,6 +120,23 @@ std::string rankSet(uint32_t mask, uint32_t world) {
   }
   if (n == 0) return "no rank";
   return (n == 1 ? "rank " : "ranks ") + oss.str();
+}
+
+uint32_t requestedView(const std::vector<int32_t>& mask, uint32_t world, uint32_t live) {
+  EPCOMM_CHECK(mask.size() == world, kInvalidArgument,
+               "setActiveRanks: the mask has " << mask.size() << " entries for " << world << " ranks");
+  uint32_t want = 0;
+  for (uint32_t r = 0; r < world; ++r) {
+    EPCOMM_CHECK(mask[r] == 0 || mask[r] == 1, kInvalidArgument,
+                 "setActiveRanks: entry " << r << " is " << mask[r] << " (1 = active, 0 = masked)");
+    EPCOMM_CHECK(mask[r] == 0 || ((live >> r) & 1u), kInvalidArgument,
+                 "setActiveRanks: rank " << r
+                                         << " is masked already and cannot be made active again (a rank that comes "
+                                            "back needs a new object with every rank)");
+    if (mask[r] != 0) want |= 1u << r;
+  }
+  EPCOMM_CHECK(want != 0, kInvalidArgument, "setActiveRanks: the mask leaves no rank active");
+  return want;
 }
 
 }  // namespace nvlink

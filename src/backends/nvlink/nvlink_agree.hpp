@@ -68,5 +68,10 @@ class ElasticAgreement {
 /// Text of a mask's ranks: "ranks 0, 2" / "rank 1" / "no rank".
 std::string rankSet(uint32_t mask, uint32_t world);
 
+/// The view that setActiveRanks(`mask`) asks for (bit r: mask[r] is 1), checked against the `world` ranks and the
+/// active ranks `live`: throws Error(kInvalidArgument) naming the entry when the mask has another size, an entry that
+/// is not 0 or 1, makes a masked rank active again, or leaves no rank active.
+uint32_t requestedView(const std::vector<int32_t>& mask, uint32_t world, uint32_t live);
+
 }  // namespace nvlink
 }  // namespace epcomm

@@ -16,6 +16,7 @@
 
 #include "backends/backends.hpp"
 #include "backends/nvlink/nvlink_agree.hpp"
+#include "backends/nvlink/nvlink_index_mask.hpp"
 #include "backends/nvlink/nvlink_kernels.hpp"
 #include "backends/nvshmem/nvshmem_kernels.hpp"
 #include "backends/nvshmem/nvshmem_layout.hpp"
@@ -170,9 +171,7 @@ class NvshmemAllToAll final : public AllToAll {
     return mask;
   }
   void setActiveRanks(const std::vector<int32_t>& mask) override;
-  uint64_t droppedTokens() const override {
-    return hostDrops_ ? *static_cast<const volatile uint64_t*>(hostDrops_.get()) : 0;
-  }
+  uint64_t droppedTokens() const override { return indexMask_.dropped(); }
 
   void dispatch(const DispatchArgs& a) override {
     checkUsable();
@@ -191,7 +190,8 @@ class NvshmemAllToAll final : public AllToAll {
     if (a.doSend && board_.raised()) board_.withdraw();  // a refusal of this step, called again with good arguments
     nvshmem::DispatchKernelArgs k = p.k;
     if (a.doSend && live_ != fullMask()) {
-      maskIndices(a.indices, k.m, nullptr, false, a.stream, false, k.indices, k.indexKind, k.indexStrides);
+      indexMask_.apply(config_, live_, a.indices, k.m, nullptr, false, a.stream, false, k.indices, k.indexKind,
+                       k.indexStrides);
     }
     checkLaunch(nvshmem::launchDispatch(k, a.doSend, a.doRecv, a.stream), "", config_.rank, "nvshmem dispatch kernel");
     marks_.markLaunch(static_cast<cudaStream_t>(a.stream), "", config_.rank, "nvshmem dispatch");
@@ -224,7 +224,8 @@ class NvshmemAllToAll final : public AllToAll {
     if (a.doSend && board_.raised()) board_.withdraw();
     nvshmem::CombineKernelArgs k = p.k;
     if (a.doRecv && live_ != fullMask()) {
-      maskIndices(a.indices, k.m, a.boundM, true, a.stream, true, k.indices, k.indexKind, k.indexStrides);
+      indexMask_.apply(config_, live_, a.indices, k.m, a.boundM, true, a.stream, true, k.indices, k.indexKind,
+                       k.indexStrides);
     }
     checkLaunch(nvshmem::launchCombine(k, a.doSend, a.doRecv, a.stream), "", config_.rank, "nvshmem combine kernel");
     marks_.markLaunch(static_cast<cudaStream_t>(a.stream), "", config_.rank, "nvshmem combine");
@@ -392,8 +393,6 @@ class NvshmemAllToAll final : public AllToAll {
   bool lostToPeer(int32_t phase, uint32_t peer) const;
   [[noreturn]] void recoverFromLoss();
   void adoptView(uint32_t view);
-  void maskIndices(const TensorView& indices, uint32_t m, const int32_t* boundM, bool count, void* stream, bool combine,
-                   const void*& out, int32_t& kind, int64_t (&strides)[2]);
 
   Config config_;
   Bootstrap& bootstrap_;
@@ -425,9 +424,7 @@ class NvshmemAllToAll final : public AllToAll {
   uint32_t live_ = 0xffffffffu;
   uint32_t view_ = 0xffffffffu;
   bool left_ = false;
-  cuda::DeviceMemory maskScratch_;
-  cuda::PinnedMemory hostDrops_;
-  uint64_t* hostDropsDev_ = nullptr;
+  nvlink::IndexMask indexMask_;
 };
 
 // Elastic ranks: the words of every rank on the abort board, as on nvlink (nvlink_agree.hpp). A peer whose process
@@ -540,19 +537,7 @@ void NvshmemAllToAll::setActiveRanks(const std::vector<int32_t>& mask) {
   EPCOMM_CHECK(order_.state() == CallOrder::State::kIdle, kInvalidArgument,
                "nvshmem rank " << me << ": setActiveRanks while the object is '" << CallOrder::name(order_.state())
                                << "' (call it between rounds)");
-  EPCOMM_CHECK(mask.size() == W, kInvalidArgument,
-               "setActiveRanks: the mask has " << mask.size() << " entries for " << W << " ranks");
-  uint32_t want = 0;
-  for (uint32_t r = 0; r < W; ++r) {
-    EPCOMM_CHECK(mask[r] == 0 || mask[r] == 1, kInvalidArgument,
-                 "setActiveRanks: entry " << r << " is " << mask[r] << " (1 = active, 0 = masked)");
-    EPCOMM_CHECK(mask[r] == 0 || ((live_ >> r) & 1u), kInvalidArgument,
-                 "setActiveRanks: rank " << r
-                                         << " is masked already and cannot be made active again (a rank that comes "
-                                            "back needs a new object with every rank)");
-    if (mask[r] != 0) want |= 1u << r;
-  }
-  EPCOMM_CHECK(want != 0, kInvalidArgument, "setActiveRanks: the mask leaves no rank active");
+  const uint32_t want = nvlink::requestedView(mask, W, live_);
   if (marks_.wait() != cudaSuccess) cudaGetLastError();
   checkUsable();
   if (!((want >> me) & 1u)) {
@@ -583,50 +568,6 @@ void NvshmemAllToAll::setActiveRanks(const std::vector<int32_t>& mask) {
                "nvshmem rank " << me << ": setActiveRanks: " << nvlink::rankSet(lost, W)
                                << " did not answer within EPCOMM_TIMEOUT_MS and was masked too (active: "
                                << nvlink::rankSet(agreed.view, W) << ")");
-}
-
-// The call's indices with the masked ranks' positions dropped (-1), into the dispatch's or the combine's scratch, on
-// the call's stream before its kernel (nvlink's index mask); `count`: the positions dropped are added to
-// droppedTokens.
-void NvshmemAllToAll::maskIndices(const TensorView& indices, uint32_t m, const int32_t* boundM, bool count,
-                                  void* stream, bool combine, const void*& out, int32_t& kind, int64_t (&strides)[2]) {
-  const uint64_t perCall = static_cast<uint64_t>(config_.maxNumTokens) * config_.expertsPerToken;
-  if (!maskScratch_) {
-    maskScratch_ = cuda::allocDevice(2 * perCall * sizeof(int32_t) + 16);
-    EPCOMM_CHECK_CUDA(cudaMemset(maskScratch_.get(), 0, 2 * perCall * sizeof(int32_t) + 16));
-    hostDrops_ = cuda::allocPinnedMapped(sizeof(uint64_t));
-    *static_cast<volatile uint64_t*>(hostDrops_.get()) = 0;
-    EPCOMM_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&hostDropsDev_), hostDrops_.get(), 0));
-  }
-  EPCOMM_CHECK(m <= config_.maxNumTokens, kInvalidArgument,
-               "rank " << config_.rank << ": indices have " << m << " rows, more than maxNumTokens");
-  int32_t* scratch = static_cast<int32_t*>(maskScratch_.get()) + (combine ? perCall : 0);
-  nvlink::MaskIndicesArgs a{};
-  a.indices = indices.data;
-  a.indexKind = indexKindOf(indices.dtype);
-  a.indexStrides[0] = indices.strides[0];
-  a.indexStrides[1] = indices.strides[1];
-  a.m = m;
-  a.topK = config_.expertsPerToken;
-  a.numExperts = config_.numExperts;
-  a.numLocalExperts = config_.numLocalExperts();
-  a.dpSize = config_.dpSize;
-  a.group = config_.rank / config_.dpSize;
-  a.live = live_;
-  a.boundM = boundM;
-  a.out = scratch;
-  if (count) {
-    a.drops = reinterpret_cast<unsigned long long*>(static_cast<int32_t*>(maskScratch_.get()) + 2 * perCall);
-    a.hostDrops = reinterpret_cast<unsigned long long*>(hostDropsDev_);
-  }
-  const int rc = nvlink::launchMaskIndices(a, stream);
-  EPCOMM_CHECK(rc == 0, kCuda,
-               "rank " << config_.rank << ": the elastic index mask failed to launch: "
-                       << cudaGetErrorString(static_cast<cudaError_t>(rc)));
-  out = scratch;
-  kind = 0;
-  strides[0] = config_.expertsPerToken;
-  strides[1] = 1;
 }
 
 }  // namespace
