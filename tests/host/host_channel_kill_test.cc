@@ -25,6 +25,7 @@
 #include <tuple>
 #include <vector>
 
+#include "channel_cases.hpp"
 #include "epcomm/error.hpp"
 #include "host_harness.hpp"
 #include "proxy/protocol.hpp"
@@ -39,28 +40,6 @@ namespace {
 constexpr int64_t kTimeoutMs = 2000;
 constexpr uint32_t kWorld = 3;
 constexpr uint32_t kVictim = 2;
-
-Config channelConfig(uint32_t rank) {
-  Scenario sc;
-  sc.W = kWorld;
-  sc.E = 4 * kWorld;  // the GPU proxy backend test's experts: a head of 64 bytes, within tcp;ofi_rxm's inject size
-  sc.K = 4;
-  sc.T = 16;
-  sc.H = 64;
-  return sc.config(rank);
-}
-
-// Heads of one round: `tokens` tokens, each to one expert of every rank (the same counts in every process).
-void packHeads(proxy::ProxyChannel& ch, uint32_t tokens) {
-  const proxy::ProtocolSizes& s = ch.sizes();
-  const uint32_t L = s.numLocalExperts;
-  std::vector<uint32_t> head(s.numExperts + s.worldSize, 0);
-  for (uint32_t p = 0; p < s.worldSize; ++p) {
-    head[p * L] = tokens;
-    head[s.numExperts + p] = tokens;
-  }
-  for (uint32_t p = 0; p < s.worldSize; ++p) std::memcpy(ch.sendSlot(p), head.data(), head.size() * 4);
-}
 
 // The channel's PeerIds follow the ranks, skipping its own: the victim's id on `rank`.
 uint32_t victimPeer(int rank) { return rank < static_cast<int>(kVictim) ? kVictim - 1 : kVictim; }
@@ -210,7 +189,7 @@ TEST_P(ChannelKill, SurvivorsNameTheDeadRankAndCloseCleanly) {
               if (++*posts == 3) raise(SIGKILL);
             };
           }
-          auto ch = std::make_unique<proxy::ProxyChannel>(channelConfig(rank), bootstrap, o);
+          auto ch = std::make_unique<proxy::ProxyChannel>(channelConfig(kWorld, rank), bootstrap, o);
           std::unique_ptr<Driver> driver = external ? std::make_unique<Driver>(*ch) : nullptr;
           auto dispatch = [&](uint64_t round, bool send, bool recv) {
             if (send) {

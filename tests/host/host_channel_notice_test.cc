@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "channel_cases.hpp"
 #include "epcomm/error.hpp"
 #include "host_harness.hpp"
 #include "proxy/protocol.hpp"
@@ -36,28 +37,6 @@ constexpr int64_t kLongMs = 30000;   // the listener's timeout: only the notice 
 constexpr int kVictimLivesMs = 800;  // after its round-2 post: the listener's round-2 heads reach it first
 constexpr uint64_t kStrayBytes = 64 * 1024;  // above shm's inject size: a write to a dead rank never completes there
 const char* const kWhy = "the teller gives round 2 up after its write to the dead rank failed";
-
-Config channelConfig(uint32_t rank) {
-  Scenario sc;
-  sc.W = kWorld;
-  sc.E = 4 * kWorld;
-  sc.K = 4;
-  sc.T = 16;
-  sc.H = 64;
-  return sc.config(rank);
-}
-
-// Heads of one round: `tokens` tokens, each to one expert of every rank (the same counts in every process).
-void packHeads(proxy::ProxyChannel& ch, uint32_t tokens) {
-  const proxy::ProtocolSizes& s = ch.sizes();
-  const uint32_t L = s.numLocalExperts;
-  std::vector<uint32_t> head(s.numExperts + s.worldSize, 0);
-  for (uint32_t p = 0; p < s.worldSize; ++p) {
-    head[p * L] = tokens;
-    head[s.numExperts + p] = tokens;
-  }
-  for (uint32_t p = 0; p < s.worldSize; ++p) std::memcpy(ch.sendSlot(p), head.data(), head.size() * 4);
-}
 
 class ChannelNotice : public ::testing::TestWithParam<std::string> {};
 
@@ -86,7 +65,7 @@ TEST_P(ChannelNotice, ReachesLivePeerAfterEngineError) {
               raise(SIGKILL);
             };
           }
-          auto ch = std::make_unique<proxy::ProxyChannel>(channelConfig(rank), bootstrap, o);
+          auto ch = std::make_unique<proxy::ProxyChannel>(channelConfig(kWorld, rank), bootstrap, o);
           // A region of the teller's, and the victim's target for the teller's stray write (through the channel's
           // own engine, so that the error is the channel's engine's).
           std::vector<uint8_t> stray(kStrayBytes, 1);

@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "channel_cases.hpp"
 #include "epcomm/error.hpp"
 #include "host_harness.hpp"
 #include "proxy/protocol.hpp"
@@ -29,16 +30,6 @@ namespace {
 constexpr int64_t kTimeoutMs = 2000;
 constexpr uint32_t kWorld = 3;
 
-Config channelConfig(uint32_t rank) {
-  Scenario sc;
-  sc.W = kWorld;
-  sc.E = 4 * kWorld;
-  sc.K = 4;
-  sc.T = 16;
-  sc.H = 64;
-  return sc.config(rank);
-}
-
 proxy::ChannelOptions channelOptions(const std::string& provider, int elastic) {
   proxy::ChannelOptions o;
   o.provider = provider;
@@ -48,17 +39,6 @@ proxy::ChannelOptions channelOptions(const std::string& provider, int elastic) {
   o.fixedCombineSend = true;
   o.elastic = elastic;
   return o;
-}
-
-// Heads of one round: `tokens` tokens to the first expert of every rank (the same counts in every process).
-void packHeads(proxy::ProxyChannel& ch, uint32_t tokens) {
-  const proxy::ProtocolSizes& s = ch.sizes();
-  std::vector<uint32_t> head(s.numExperts + s.worldSize, 0);
-  for (uint32_t p = 0; p < s.worldSize; ++p) {
-    head[p * s.numLocalExperts] = tokens;
-    head[s.numExperts + p] = tokens;
-  }
-  for (uint32_t p = 0; p < s.worldSize; ++p) std::memcpy(ch.sendSlot(p), head.data(), head.size() * 4);
 }
 
 std::vector<uint8_t> allBut(uint32_t masked) {
@@ -110,7 +90,7 @@ TEST_P(ChannelElastic, ExternalDriverGoesOnWithoutADeadRank) {
       kWorld,
       [&](int r, Bootstrap& bootstrap) {
         const uint32_t rank = static_cast<uint32_t>(r);
-        proxy::ProxyChannel ch(channelConfig(rank), bootstrap, channelOptions(provider, 1));
+        proxy::ProxyChannel ch(channelConfig(kWorld, rank), bootstrap, channelOptions(provider, 1));
         ASSERT_TRUE(ch.elastic());
         const std::vector<uint8_t> all(kWorld, 1);
         for (uint32_t i = 0; i < 2; ++i) round(ch, rank, all, 3 + i);
@@ -148,7 +128,7 @@ TEST_P(ChannelElastic, SetActiveRanksRunsOnTheCallingThread) {
         kWorld,
         [&](int r, Bootstrap& bootstrap) {
           const uint32_t rank = static_cast<uint32_t>(r);
-          proxy::ProxyChannel ch(channelConfig(rank), bootstrap, channelOptions(provider, elastic));
+          proxy::ProxyChannel ch(channelConfig(kWorld, rank), bootstrap, channelOptions(provider, elastic));
           const std::vector<uint8_t> all(kWorld, 1);
           for (uint32_t i = 0; i < 2; ++i) round(ch, rank, all, 2);
           EXPECT_THROW(ch.setActiveRanks({1, 1}), Error);  // refused before anything is sent; the channel goes on
