@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 
 #include "gpu_rounds.hpp"
@@ -18,6 +19,11 @@ const char* killPointName(KillPoint when) {
   return when == KillPoint::kMidDispatch  ? "MidDispatch"
          : when == KillPoint::kMidCombine ? "MidCombine"
                                           : "BetweenRounds";
+}
+
+int roundsAfter(const char* variable, int byDefault) {
+  const char* v = std::getenv(variable);
+  return v != nullptr && std::atoi(v) > 0 ? std::atoi(v) : byDefault;
 }
 
 Scenario elasticScenario(const std::string& backend, uint32_t world, uint32_t dp) {

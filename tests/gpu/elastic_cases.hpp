@@ -23,6 +23,10 @@ namespace gputest {
 /// up to 32 tokens of 256 elements, masked experts.
 Scenario elasticScenario(const std::string& backend, uint32_t world, uint32_t dp = 1);
 
+/// The rounds a kill case checks after the kill: the environment variable `variable` when it is a positive number,
+/// else `byDefault`.
+int roundsAfter(const char* variable, int byDefault);
+
 /// What one rank of an elastic case holds besides its object: its GPU made current (useRankDevice), a stream, a
 /// scratch buffer for the split halves, its copy of the scenario and its device tensors.
 struct ElasticRank {

@@ -26,11 +26,6 @@ namespace {
 
 constexpr int64_t kTimeoutMs = 2000;
 
-int roundsAfter(int byDefault) {
-  const char* v = std::getenv("NVLINK_ELASTIC_ROUNDS");
-  return v != nullptr && std::atoi(v) > 0 ? std::atoi(v) : byDefault;
-}
-
 Scenario elasticScenario(uint32_t world) { return gputest::elasticScenario("nvlink", world); }
 
 // (world, when, victim rank 0 (else the last))
@@ -45,7 +40,8 @@ TEST_P(NvlinkElastic, SurvivorsNameTheDeadRankAndGoOn) {
   k.backend = k.label = "nvlink";
   k.when = std::get<1>(GetParam());
   k.victim = std::get<2>(GetParam()) ? 0 : W - 1;
-  k.roundsAfter = roundsAfter(W == 4 && k.when == KillPoint::kMidCombine && k.victim == 0 ? 1000 : 100);
+  k.roundsAfter =
+      roundsAfter("NVLINK_ELASTIC_ROUNDS", W == 4 && k.when == KillPoint::kMidCombine && k.victim == 0 ? 1000 : 100);
   k.boundMs = kTimeoutMs + 1000;  // the agreement leaves a peer whose process is gone out at once
   runKillCase(elasticScenario(W), k);
 }
@@ -67,7 +63,7 @@ TEST(NvlinkElasticSet, CallerMasksARank) {
   const std::string why = whyNotRunnable("nvlink");
   if (!why.empty()) GTEST_SKIP() << why;
   test::ScopedEnv env({{"EPCOMM_TIMEOUT_MS", "2000"}});  // without EPCOMM_ELASTIC
-  runCallerMasksARank(elasticScenario(4), "nvlink", roundsAfter(100));
+  runCallerMasksARank(elasticScenario(4), "nvlink", roundsAfter("NVLINK_ELASTIC_ROUNDS", 100));
 }
 
 }  // namespace

@@ -26,11 +26,6 @@ namespace {
 
 constexpr int64_t kTimeoutMs = 2000;
 
-int roundsAfter() {
-  const char* v = std::getenv("NVSHMEM_ELASTIC_ROUNDS");
-  return v != nullptr && std::atoi(v) > 0 ? std::atoi(v) : 20;
-}
-
 // One kill case: W ranks in DP groups of `dp`, rank `victim` killed at `when`.
 void killCase(uint32_t world, uint32_t dp, KillPoint when, uint32_t victim) {
   const std::string why = whyNotRunnable("nvshmem");
@@ -41,7 +36,7 @@ void killCase(uint32_t world, uint32_t dp, KillPoint when, uint32_t victim) {
   k.backend = k.label = "nvshmem";
   k.when = when;
   k.victim = victim;
-  k.roundsAfter = roundsAfter();
+  k.roundsAfter = roundsAfter("NVSHMEM_ELASTIC_ROUNDS", 20);
   // The agreement leaves a rank whose process is gone out at once; the reset of the symmetric buffers and the PEs
   // taking turns on a shared GPU add a little.
   k.boundMs = kTimeoutMs + 1500;
@@ -78,7 +73,7 @@ TEST_P(NvshmemElasticSet, CallerMasksARank) {
   if (!why.empty()) GTEST_SKIP() << why;
   BackendEnv nvshmemEnv("nvshmem");
   test::ScopedEnv env({{"EPCOMM_TIMEOUT_MS", "2000"}});  // without EPCOMM_ELASTIC
-  runCallerMasksARank(elasticScenario("nvshmem", 4, GetParam()), "nvshmem", roundsAfter());
+  runCallerMasksARank(elasticScenario("nvshmem", 4, GetParam()), "nvshmem", roundsAfter("NVSHMEM_ELASTIC_ROUNDS", 20));
 }
 
 INSTANTIATE_TEST_SUITE_P(Dp, NvshmemElasticSet, ::testing::Values(1u, 2u),

@@ -33,11 +33,6 @@ namespace {
 
 constexpr int64_t kTimeoutMs = 2000;
 
-int roundsAfter() {
-  const char* v = std::getenv("PROXY_ELASTIC_ROUNDS");
-  return v != nullptr && std::atoi(v) > 0 ? std::atoi(v) : 20;
-}
-
 Scenario elasticScenario(uint32_t world, uint32_t dp = 1) { return gputest::elasticScenario("proxy", world, dp); }
 
 // Skips without a GPU, the proxy backend or the provider.
@@ -66,7 +61,7 @@ TEST_P(ProxyElastic, SurvivorsNameTheDeadRankAndGoOn) {
   k.label = "proxy over " + provider;
   k.when = std::get<1>(GetParam());
   k.victim = std::get<2>(GetParam()) ? 0 : W - 1;
-  k.roundsAfter = roundsAfter();
+  k.roundsAfter = roundsAfter("PROXY_ELASTIC_ROUNDS", 20);
   k.boundMs = 2 * kTimeoutMs + 1000;  // the channel waits a timeout for the dead rank, then the survivors agree
   k.codes.push_back(ErrorCode::kFabric);
   runKillCase(elasticScenario(W), k);
@@ -94,7 +89,7 @@ TEST_P(ProxyElasticSet, CallerMasksARank) {
   SKIP_UNLESS_PROXY(provider);
   test::ScopedEnv env(
       {{"EPCOMM_TIMEOUT_MS", "2000"}, {"EPCOMM_FABRIC_PROVIDER", provider.c_str()}, {"EPCOMM_PROXY_LOCAL_SIZE", "1"}});
-  runCallerMasksARank(elasticScenario(4, dp), "proxy", roundsAfter());
+  runCallerMasksARank(elasticScenario(4, dp), "proxy", roundsAfter("PROXY_ELASTIC_ROUNDS", 20));
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, ProxyElasticSet,
