@@ -26,7 +26,7 @@ namespace fabric {
 constexpr uint32_t kFiApiVersion = FI_VERSION(1, 14);
 constexpr int kRecvBuffers = 64;
 constexpr int kCqBatch = 32;
-constexpr uint32_t kAddrMagic = 0x41465045;  // "EPFA"
+constexpr uint32_t kAddrMagic = 0x32465045;  // "EPF2": with the process identity
 constexpr int64_t kSweepPeriodMs = 20;
 
 inline std::string fiErr(int rc) { return std::string(fi_strerror(rc < 0 ? -rc : rc)); }
@@ -58,6 +58,7 @@ struct Piece {
   std::shared_ptr<OpState> op;
   std::shared_ptr<NicBatch> batch;
   PeerId peer = 0;
+  const ProcessWatch* process = nullptr;  // the peer's process, when watched (LibfabricEngine::peerGone)
   const void* buf = nullptr;
   size_t len = 0;
   void* desc = nullptr;

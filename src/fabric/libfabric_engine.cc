@@ -113,6 +113,8 @@ LibfabricEngine::LibfabricEngine(const EngineOptions& options) : EngineBase(opti
   mrEndpoint_ = (mrMode & FI_MR_ENDPOINT) != 0;
   rxCqData_ = (chosen->mode & FI_RX_CQ_DATA) != 0;
   injectSize_ = chosen->tx_attr->inject_size;
+  // shm: a peer that died holding its region's lock would wedge every later post to it (core/process_watch.hpp).
+  watchPeers_ = prov_.rfind("shm", 0) == 0;
   // NOTE: libfabric's tcp provider queues an RMA inject (fi_inject_write / fi_inject_writedata) with a null context
   // and without the mark it gives message injects, so when the connection fails with one still queued (its peer
   // died) the endpoint's flush reports it as an FI_ECANCELED error completion with op_context NULL, which ofi_rxm
@@ -264,6 +266,12 @@ std::vector<uint8_t> LibfabricEngine::address() const {
   put32(static_cast<uint32_t>(numNics_));
   put32(options_.shardByBytes ? 1u : 0u);
   put32(static_cast<uint32_t>(fnv1a64(prov_.data(), prov_.size())));
+  // This process, so that a peer on the same host learns at once when it exited (core/process_watch.hpp).
+  const ProcessIdentity self = thisProcessIdentity();
+  for (uint64_t v : {thisHostKey(), static_cast<uint64_t>(self.pid), self.pidNamespace, self.startTicks}) {
+    put32(static_cast<uint32_t>(v));
+    put32(static_cast<uint32_t>(v >> 32));
+  }
   for (const auto& n : nics_) {
     put32(static_cast<uint32_t>(n->name.size()));
     out.insert(out.end(), n->name.begin(), n->name.end());
@@ -295,6 +303,15 @@ PeerId LibfabricEngine::addPeer(const std::vector<uint8_t>& address) {
                                        << (options_.shardByBytes ? "bytes" : "peer") << ": they must match");
   EPCOMM_CHECK(provHash == static_cast<uint32_t>(fnv1a64(prov_.data(), prov_.size())), kInvalidArgument,
                "addPeer: the peer uses another libfabric provider than " << prov_);
+  auto get64 = [&] {
+    const uint64_t lo = get32();
+    return lo | static_cast<uint64_t>(get32()) << 32;
+  };
+  const uint64_t hostKey = get64();
+  ProcessIdentity process;
+  process.pid = static_cast<int64_t>(get64());
+  process.pidNamespace = get64();
+  process.startTicks = get64();
   PeerEntry entry;
   entry.hash = fnv1a64(address.data(), address.size());
   // Locked across the AV inserts: concurrent addPeers run one at a time, each inserting on every NIC before the next.
@@ -312,6 +329,10 @@ PeerId LibfabricEngine::addPeer(const std::vector<uint8_t>& address) {
       std::memcpy(&entry.sinkAddr[n], address.data() + pos, 8);
       std::memcpy(&entry.sinkKey[n], address.data() + pos + 8, 8);
       pos += 16;
+    }
+    if (watchPeers_) {
+      watches_.push_back(std::make_unique<ProcessWatch>(hostKey, process));
+      entry.process = watches_.back().get();
     }
     peers.push_back(entry);
     return static_cast<PeerId>(peers.size() - 1);

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "core/process_watch.hpp"
 #include "fabric/engine_base.hpp"
 
 namespace epcomm {
@@ -52,6 +53,7 @@ class LibfabricEngine : public EngineBase {
   void postPlan(const Target& target, const MemoryRegion* src, std::vector<NicPlan>& plan, uint32_t imm,
                 const std::shared_ptr<OpState>& op) override;
   bool progressOnce() override;
+  void whileQuiet(const std::function<void()>& fn) override;
   size_t numPeers() const override { return peers_.size(); }
   uint64_t peerHash(PeerId peer) const override { return peers_.hash(peer); }
 
@@ -61,6 +63,7 @@ class LibfabricEngine : public EngineBase {
     fi_addr_t addrs[kMaxNics] = {FI_ADDR_UNSPEC, FI_ADDR_UNSPEC, FI_ADDR_UNSPEC, FI_ADDR_UNSPEC};
     uint64_t sinkAddr[kMaxNics] = {0, 0, 0, 0};  // per NIC: the peer's immediate sink (target of zero-byte writes)
     uint64_t sinkKey[kMaxNics] = {0, 0, 0, 0};
+    const ProcessWatch* process = nullptr;  // the peer's process when it runs on this host (watches_ owns it)
   };
 
   static fi_info* getInfo(const std::string& prov, bool hmem, bool ordered);
@@ -77,6 +80,10 @@ class LibfabricEngine : public EngineBase {
   void handleEntry(FiNic& n, const fi_cq_data_entry& e, Finished& finished);
   void handleError(FiNic& n, Finished& finished);
   void sweep(FiNic& n, Finished& finished);
+  /// Whether a post to `watch`'s process must not reach the provider: over shm, once that process exited (see
+  /// core/process_watch.hpp).
+  bool peerGone(const ProcessWatch* watch) const { return watchPeers_ && watch != nullptr && watch->exited(); }
+  std::string goneText(const Piece* p) const;
   std::string describe(const Piece* p, const char* call) const;
 
   std::string prov_;
@@ -93,6 +100,8 @@ class LibfabricEngine : public EngineBase {
   std::atomic<uint64_t> nextKey_{1};
   std::vector<std::unique_ptr<FiNic>> nics_;
   PeerTable<PeerEntry> peers_;
+  bool watchPeers_ = false;                             // shm: never post to a peer whose process exited
+  std::vector<std::unique_ptr<ProcessWatch>> watches_;  // guarded by peers_'s lock; entries never move
 };
 
 }  // namespace fabric

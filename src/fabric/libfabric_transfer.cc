@@ -49,6 +49,11 @@ ssize_t LibfabricEngine::postPiece(FiNic& n, Piece* p) {
   return -FI_EINVAL;
 }
 
+std::string LibfabricEngine::goneText(const Piece* p) const {
+  return describe(p, "post") + ": not posted: the peer's process (pid " + std::to_string(p->process->pid()) +
+         ") exited";
+}
+
 std::string LibfabricEngine::describe(const Piece* p, const char* call) const {
   std::ostringstream oss;
   oss << (p->op ? p->op->what : std::string("operation")) << " to peer " << p->peer << " (NIC " << p->nic
@@ -85,6 +90,10 @@ void LibfabricEngine::submitLocked(FiNic& n, Piece* p, Finished& finished) {
     ++n.queued;
     return;
   }
+  if (peerGone(p->process)) {
+    pieceDone(n, p, goneText(p), finished);
+    return;
+  }
   ssize_t rc = postPiece(n, p);
   if (rc == 0) {
     // Injected operations produce no completion entry: the buffer is free and the provider owns delivery.
@@ -106,6 +115,12 @@ void LibfabricEngine::retryPending(FiNic& n, Finished& finished) {
   for (size_t peer = 0; peer < n.queues.size() && n.queued > 0; ++peer) {
     PeerQueue& q = n.queues[peer];
     while (q.head != nullptr) {
+      if (peerGone(q.head->process)) {
+        Piece* p = q.pop();
+        --n.queued;
+        pieceDone(n, p, goneText(p), finished);
+        continue;
+      }
       ssize_t rc = postPiece(n, q.head);
       if (rc == -FI_EAGAIN) break;  // this peer waits; the next one may go
       Piece* p = q.pop();
@@ -141,6 +156,7 @@ void LibfabricEngine::postPlan(const Target& target, const MemoryRegion* src, st
       p->nic = n;
       p->op = op;
       p->peer = target.peer;
+      p->process = peer.process;
       p->buf = len > 0 ? static_cast<const uint8_t*>(region->data()) + srcOff : nullptr;
       p->len = len;
       p->desc = len > 0 ? region->mrDesc_[n] : nullptr;
@@ -208,7 +224,7 @@ bool LibfabricEngine::tryInject(PeerId peer, const void* buf, size_t len, const 
     e = peers[peer];
     return true;
   });
-  if (!known) return false;  // the slow path reports it
+  if (!known || peerGone(e.process)) return false;  // the slow path reports it
   const uint64_t raddr = len > 0 ? (virtAddr_ ? dst->addr : 0) + dstOffset : e.sinkAddr[n];
   const uint64_t key = len > 0 ? dst->keys[n] : e.sinkKey[n];
   FiNic& nic = *nics_[n];
@@ -248,9 +264,9 @@ void LibfabricEngine::write(PeerId peer, const MemoryRegion& src, uint64_t srcOf
       dst.numNics == static_cast<uint32_t>(numNics_) && dstOffset <= dst.size && length <= dst.size - dstOffset &&
       srcOffset <= src.size() && length <= src.size() - srcOffset) {
     const int n = static_cast<int>(peer % numNics_);
-    const fi_addr_t dest = peers_.locked([&](const std::vector<PeerEntry>& peers) {
+    const PeerEntry e = peers_.locked([&](const std::vector<PeerEntry>& peers) {
       EPCOMM_CHECK(peer < peers.size(), kInvalidArgument, "write: unknown peer " << peer);
-      return peers[peer].addrs[n];
+      return peers[peer];
     });
     auto op = newOp(peer, withImm ? "write-with-immediate" : "write", std::move(done));
     op->pending.store(1, std::memory_order_relaxed);
@@ -259,10 +275,11 @@ void LibfabricEngine::write(PeerId peer, const MemoryRegion& src, uint64_t srcOf
     p->nic = n;
     p->op = op;
     p->peer = peer;
+    p->process = e.process;
     p->buf = static_cast<const uint8_t*>(src.data()) + srcOffset;
     p->len = length;
     p->desc = static_cast<const FiRegion&>(src).mrDesc_[n];
-    p->dest = dest;
+    p->dest = e.addrs[n];
     p->raddr = (virtAddr_ ? dst.addr : 0) + dstOffset;
     p->key = dst.keys[n];
     p->data = imm;
@@ -301,7 +318,9 @@ void LibfabricEngine::send(PeerId peer, const void* data, size_t bytes, Completi
   p->nic = n;
   p->op = op;
   p->peer = peer;
-  p->dest = peerEntry(peer).addrs[n];
+  const PeerEntry e = peerEntry(peer);
+  p->dest = e.addrs[n];
+  p->process = e.process;
   p->msg = frameMessage(data, bytes);
   p->inject = p->msg.size() <= injectSize_;
   op->pending.store(1);
@@ -402,6 +421,14 @@ void LibfabricEngine::sweep(FiNic& n, Finished& finished) {
       finished.push_back(p->op);
     }
   }
+}
+
+void LibfabricEngine::whileQuiet(const std::function<void()>& fn) {
+  // Every provider call of this engine is made under its endpoint's lock; the locks are taken in index order.
+  std::vector<std::unique_lock<SpinThenBlockMutex>> locks;
+  locks.reserve(nics_.size());
+  for (auto& np : nics_) locks.emplace_back(np->mu);
+  fn();
 }
 
 bool LibfabricEngine::progressOnce() {

@@ -144,6 +144,11 @@ class TransferEngine {
   virtual void waitCounter(const std::atomic<uint64_t>& counter, uint64_t target, const std::string& what) = 0;
   /// Throws the first recorded transfer error (peer died, bad descriptor), if any.
   virtual void checkErrors() = 0;
+  /// Runs `fn` while no thread of this engine is inside the provider (the libfabric engine holds every endpoint's
+  /// lock), e.g. to end the process where it holds none of the provider's shared state: over libfabric's shm, a process
+  /// killed inside the provider can leave a peer's region locked for good (docs/failures.md). `fn` must not call the
+  /// engine. The default runs `fn` alone.
+  virtual void whileQuiet(const std::function<void()>& fn) { fn(); }
 };
 
 }  // namespace fabric
