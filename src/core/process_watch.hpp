@@ -14,16 +14,14 @@
 
 namespace epcomm {
 
-/// Where a process runs: a key of its host (boot id) and PID namespace; 0 when /proc cannot tell (never watched).
-uint64_t thisHostKey();
-
 /// A watch on a process of this host: a pidfd that turns readable once the process exits.
 class ProcessWatch {
  public:
   ProcessWatch() = default;
-  /// Watches `id` when it runs on this host (hostKey == thisHostKey()) in this PID namespace and is not this process;
-  /// else (or on a kernel without pidfd_open, Linux < 5.3) watches nothing.
-  ProcessWatch(uint64_t hostKey, const ProcessIdentity& id);
+  /// Watches `id`, a process of this host (a pid names nothing on another one: the caller knows where `id` runs), when
+  /// it is in this PID namespace and is not this process; else (or on a kernel without pidfd_open, Linux < 5.3)
+  /// watches nothing.
+  explicit ProcessWatch(const ProcessIdentity& id);
   ~ProcessWatch();
   ProcessWatch(const ProcessWatch&) = delete;
   ProcessWatch& operator=(const ProcessWatch&) = delete;

@@ -8,6 +8,8 @@
 #include <sys/uio.h>
 
 #include <cstring>
+#include <fstream>
+#include <string>
 #include <unordered_set>
 
 #include "core/env.hpp"
@@ -17,6 +19,25 @@
 
 namespace epcomm {
 namespace fabric {
+
+namespace {
+
+// This host and PID namespace, as a key in the engine's address: a peer's pid is watched (core/process_watch.hpp)
+// only where the keys match, since a pid names nothing on another host. 0 when /proc cannot tell (never matches).
+uint64_t hostKey() {
+  static const uint64_t key = [] {
+    std::ifstream in("/proc/sys/kernel/random/boot_id");
+    std::string boot;
+    const uint64_t ns = thisProcessIdentity().pidNamespace;
+    if (!std::getline(in, boot) || boot.empty() || ns == 0) return uint64_t{0};
+    boot += ":" + std::to_string(static_cast<unsigned long long>(ns));
+    const uint64_t h = fnv1a64(boot.data(), boot.size());
+    return h == 0 ? uint64_t{1} : h;
+  }();
+  return key;
+}
+
+}  // namespace
 
 // ---------------------------------------------------------------------------------------------------------------
 
@@ -268,7 +289,7 @@ std::vector<uint8_t> LibfabricEngine::address() const {
   put32(static_cast<uint32_t>(fnv1a64(prov_.data(), prov_.size())));
   // This process, so that a peer on the same host learns at once when it exited (core/process_watch.hpp).
   const ProcessIdentity self = thisProcessIdentity();
-  for (uint64_t v : {thisHostKey(), static_cast<uint64_t>(self.pid), self.pidNamespace, self.startTicks}) {
+  for (uint64_t v : {hostKey(), static_cast<uint64_t>(self.pid), self.pidNamespace, self.startTicks}) {
     put32(static_cast<uint32_t>(v));
     put32(static_cast<uint32_t>(v >> 32));
   }
@@ -307,7 +328,8 @@ PeerId LibfabricEngine::addPeer(const std::vector<uint8_t>& address) {
     const uint64_t lo = get32();
     return lo | static_cast<uint64_t>(get32()) << 32;
   };
-  const uint64_t hostKey = get64();
+  const uint64_t peerHost = get64();
+  const bool sameHost = peerHost != 0 && peerHost == hostKey();
   ProcessIdentity process;
   process.pid = static_cast<int64_t>(get64());
   process.pidNamespace = get64();
@@ -330,8 +352,8 @@ PeerId LibfabricEngine::addPeer(const std::vector<uint8_t>& address) {
       std::memcpy(&entry.sinkKey[n], address.data() + pos + 8, 8);
       pos += 16;
     }
-    if (watchPeers_) {
-      watches_.push_back(std::make_unique<ProcessWatch>(hostKey, process));
+    if (watchPeers_ && sameHost) {
+      watches_.push_back(std::make_unique<ProcessWatch>(process));
       entry.process = watches_.back().get();
     }
     peers.push_back(entry);

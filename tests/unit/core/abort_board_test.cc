@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "support/multiprocess.hpp"
+#include "waiter_process.hpp"
 
 namespace epcomm {
 namespace {
@@ -41,42 +42,8 @@ char procState(pid_t pid) {
   return p != nullptr && p[1] == ' ' ? p[2] : 0;
 }
 
-// Polls `done` every millisecond for up to `ms`; whether it held.
-template <typename F>
-bool waitFor(F done, int ms = 10000) {
-  const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > end) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  return true;
-}
-
-// A child process that sends its identity up a pipe and then waits to be killed; with `leaderExits`, its main thread
-// exits (the kernel's exit of one thread: the leader is a zombie) while a second thread keeps the process alive.
-pid_t forkWaiter(bool leaderExits, ProcessIdentity* id) {
-  int fds[2];
-  if (pipe(fds) != 0) return -1;
-  const pid_t pid = fork();
-  if (pid == 0) {
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    close(fds[0]);
-    const ProcessIdentity mine = thisProcessIdentity();
-    if (leaderExits) {
-      std::thread([] {
-        for (;;) pause();
-      }).detach();
-    }
-    if (write(fds[1], &mine, sizeof(mine)) != static_cast<ssize_t>(sizeof(mine))) _exit(1);
-    close(fds[1]);
-    if (leaderExits) syscall(SYS_exit, 0);  // this thread only: no unwinding, no exit handlers
-    for (;;) pause();
-  }
-  close(fds[1]);
-  const bool ok = pid > 0 && read(fds[0], id, sizeof(*id)) == static_cast<ssize_t>(sizeof(*id));
-  close(fds[0]);
-  return ok ? pid : -1;
-}
+using test::forkWaiter;
+using test::waitFor;
 
 TEST(ProcessLiveness, OwnIdentityAndWhatCannotBeTold) {
   const ProcessIdentity me = thisProcessIdentity();
