@@ -325,9 +325,12 @@ void EngineBase::waitImm(uint32_t imm, uint64_t count, const std::string& what) 
       return false;
     }
     std::lock_guard<std::mutex> lock(immMapMu_);
-    uint64_t& cur = immMap_[imm];
-    if (cur < raw) return false;
-    cur -= raw;
+    auto it = immMap_.find(imm);
+    if (it == immMap_.end() || it->second < raw) return false;
+    it->second -= raw;
+    // Every AllToAll object tags its immediates with its own id: a value all of whose arrivals were taken is dropped,
+    // so that an engine that outlives many objects does not keep one entry per value each of them used.
+    if (it->second == 0) immMap_.erase(it);
     return true;
   };
   waitUntil(take, [&]() -> std::string {
@@ -451,8 +454,21 @@ GroupId EngineBase::createGroup(const std::vector<PeerId>& members, const std::v
     }
   }
   std::lock_guard<std::mutex> lock(groupMu_);
+  if (!freeGroups_.empty()) {
+    const GroupId id = freeGroups_.back();
+    freeGroups_.pop_back();
+    groups_[id] = std::move(g);
+    return id;
+  }
   groups_.push_back(std::move(g));
   return static_cast<GroupId>(groups_.size() - 1);
+}
+
+void EngineBase::destroyGroup(GroupId group) {
+  std::lock_guard<std::mutex> lock(groupMu_);
+  EPCOMM_CHECK(group < groups_.size() && groups_[group], kInvalidArgument, "destroyGroup: unknown group " << group);
+  groups_[group].reset();  // operations in flight hold their own reference
+  freeGroups_.push_back(group);
 }
 
 namespace {
@@ -488,7 +504,7 @@ void EngineBase::scatter(GroupId group, const MemoryRegion& src, const std::vect
   std::shared_ptr<Group> g;
   {
     std::lock_guard<std::mutex> lock(groupMu_);
-    EPCOMM_CHECK(group < groups_.size(), kInvalidArgument, "scatter: unknown group " << group);
+    EPCOMM_CHECK(group < groups_.size() && groups_[group], kInvalidArgument, "scatter: unknown group " << group);
     g = groups_[group];
   }
   EPCOMM_CHECK(slices.size() == g->targets.size(), kInvalidArgument,
@@ -521,7 +537,7 @@ void EngineBase::barrier(GroupId group, uint32_t imm, Completion done) {
   std::shared_ptr<Group> g;
   {
     std::lock_guard<std::mutex> lock(groupMu_);
-    EPCOMM_CHECK(group < groups_.size(), kInvalidArgument, "barrier: unknown group " << group);
+    EPCOMM_CHECK(group < groups_.size() && groups_[group], kInvalidArgument, "barrier: unknown group " << group);
     g = groups_[group];
   }
   auto agg = std::make_shared<Aggregate>();

@@ -102,6 +102,7 @@ class EngineBase : public TransferEngine {
              uint64_t length, bool withImm, uint32_t imm, Completion done) override;
   void immediate(PeerId peer, uint32_t imm, Completion done) override;
   GroupId createGroup(const std::vector<PeerId>& members, const std::vector<MemoryDesc>& dsts) override;
+  void destroyGroup(GroupId group) override;
   void scatter(GroupId group, const MemoryRegion& src, const std::vector<std::vector<ScatterSlice>>& slices,
                bool withImm, uint32_t imm, Completion done) override;
   void barrier(GroupId group, uint32_t imm, Completion done) override;
@@ -224,7 +225,8 @@ class EngineBase : public TransferEngine {
     std::vector<Target> targets;
   };
   std::mutex groupMu_;
-  std::vector<std::shared_ptr<Group>> groups_;
+  std::vector<std::shared_ptr<Group>> groups_;  // by GroupId; null: destroyed (its id is in freeGroups_)
+  std::vector<GroupId> freeGroups_;
 
   std::mutex errMu_;
   std::atomic<bool> hasError_{false};

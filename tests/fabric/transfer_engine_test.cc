@@ -301,6 +301,17 @@ TEST_P(FabricTest, BarrierRounds) {
       node.engine->barrier(g, 6, {});
       node.engine->waitImm(6, comm.world() - 1, "barrier round " + std::to_string(round) + " (leave)");
     }
+    // A destroyed group is unknown (a clear error, nothing posted) and its id goes to the next group.
+    node.engine->destroyGroup(g);
+    std::string error;
+    try {
+      node.engine->barrier(g, 7, {});
+    } catch (const Error& e) {
+      error = e.message();
+      FCHECK(e.code() == ErrorCode::kInvalidArgument, "code " << errorCodeName(e.code()));
+    }
+    FCHECK(error.find("unknown group") != std::string::npos, "barrier on a destroyed group: '" << error << "'");
+    FCHECK(node.engine->createGroup(members, std::vector<MemoryDesc>(members.size())) == g, "the id was not reused");
     comm.barrier("end");
   }));
 }

@@ -117,6 +117,9 @@ class TransferEngine {
 
   /// Registers a group: members[i] receives into dsts[i]. Work-request templates are prepared here.
   virtual GroupId createGroup(const std::vector<PeerId>& members, const std::vector<MemoryDesc>& dsts) = 0;
+  /// Forgets a group (a later createGroup may reuse its id); operations already posted to it complete as usual. An
+  /// engine shared by many objects holds only the groups of the live ones.
+  virtual void destroyGroup(GroupId group) = 0;
   /// slices[i] go to member i (an empty slice list still delivers the immediate if withImm).
   /// `done` fires once, after every member's writes completed.
   virtual void scatter(GroupId group, const MemoryRegion& src, const std::vector<std::vector<ScatterSlice>>& slices,
