@@ -33,19 +33,6 @@ const char* phaseName(Phase phase);
 /// The combine phase of an expertY dtype (bf16, fp16, fp32); throws kInvalidArgument for others.
 Phase combinePhase(DType dtype);
 
-/// The combine's rows to one peer go as writes of at most kCombinePieceBytes, in pack order, each with the round's
-/// combine immediate: an owner can post its first rows while it still packs the rest (the GPU proxy backend does), and
-/// a receiver waits for combinePieces(bytes) immediates from each owner (a message of no bytes is one immediate).
-constexpr uint64_t kCombinePieceBytes = 1ull << 20;
-inline uint64_t combinePieces(uint64_t bytes) {
-  return bytes == 0 ? 1 : (bytes + kCombinePieceBytes - 1) / kCombinePieceBytes;
-}
-/// The order in which an owner packs and posts its combine rows: the DP groups from the one after its own, its own
-/// last (with D = 1 its own rows never cross the fabric, so the rows that do are packed first). Step 0..G-1.
-EPCOMM_HD uint32_t combineGroupAt(uint32_t ownGroup, uint32_t numGroups, uint32_t step) {
-  return (ownGroup + 1 + step) % numGroups;
-}
-
 /// Bits of an immediate value: [31:16] object id, [15:13] phase, [12] round parity, [11:0] sender rank.
 /// The sender is in the tag so that a receiver counts arrivals per peer (and names the missing one); the object
 /// id lets several AllToAll objects share one engine; the parity separates consecutive rounds.

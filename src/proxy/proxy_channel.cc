@@ -85,7 +85,7 @@ ProxyChannel::ProxyChannel(const Config& config, Bootstrap& bootstrap, const Cha
   recvDescs_.resize(world_);
   combineRecvDescs_.resize(world_);
   std::vector<fabric::PeerId> members;
-  std::vector<fabric::MemoryDesc> headDsts;
+  std::vector<fabric::MemoryDesc> headDsts, combineDsts;
   for (uint32_t r = 0; r < world_; ++r) {
     recvDescs_[r] = fabric::MemoryDesc::deserialize(recvDescs[r].data(), recvDescs[r].size());
     combineRecvDescs_[r] = fabric::MemoryDesc::deserialize(combineDescs[r].data(), combineDescs[r].size());
@@ -94,8 +94,13 @@ ProxyChannel::ProxyChannel(const Config& config, Bootstrap& bootstrap, const Cha
     peerRanks_.push_back(r);
     members.push_back(peerIds_[r]);
     headDsts.push_back(recvDescs_[r]);
+    combineDsts.push_back(combineRecvDescs_[r]);
   }
-  if (!members.empty()) headGroup_ = engine_->createGroup(members, headDsts);
+  if (!members.empty()) {
+    headGroup_ = engine_->createGroup(members, headDsts);
+    combineGroup_ = engine_->createGroup(members, combineDsts);
+    groups_ = true;
+  }
   // Notice slots: one per sender, written by a peer that refuses a call or gives a round up (see NoticeWire).
   const uint64_t noticeBytes = roundUpPow2(static_cast<uint64_t>(world_ + 1) * kNoticeBytes, 4096);
   noticeBuf_ = allocBytes(noticeBytes);
@@ -157,7 +162,10 @@ ProxyChannel::~ProxyChannel() {
   for (uint32_t p : peerRanks_) {
     while (peerWrites_->done[p].load() < peerPosted_[p] && nowMs() < deadline) backoff.pause();
   }
-  if (headGroup_) engine_->destroyGroup(*headGroup_);
+  if (groups_) {
+    engine_->destroyGroup(headGroup_);
+    engine_->destroyGroup(combineGroup_);
+  }
 }
 
 std::string ProxyChannel::providerName() const { return engine_->providerName(); }
@@ -262,7 +270,7 @@ void ProxyChannel::post(const Job& job) {
 }
 
 void ProxyChannel::postDispatch() {
-  Job job{JobKind::kDispatch, ++postedSeq_, round_++, dispatchedSinceCombine_, DType::kInvalid, {}, {}};
+  Job job{JobKind::kDispatch, ++postedSeq_, round_++, dispatchedSinceCombine_, DType::kInvalid, {}};
   dispatchedSinceCombine_ = true;
   post(job);
 }
@@ -271,24 +279,24 @@ void ProxyChannel::postCombine(DType yDtype) {
   (void)combinePhase(yDtype);
   EPCOMM_CHECK(round_ > 0, kInvalidArgument, "combine before any dispatch");
   rowBytes_ = static_cast<uint64_t>(config_.hiddenDim) * dtypeSize(yDtype);
-  Job job{JobKind::kCombine, ++postedSeq_, round_ - 1, false, yDtype, {}, {}};
+  Job job{JobKind::kCombine, ++postedSeq_, round_ - 1, false, yDtype, {}};
   dispatchedSinceCombine_ = false;
   post(job);
 }
 
 void ProxyChannel::exchangeDispatch() {
   EPCOMM_CHECK(!thread_.joinable(), kInternal, "exchangeDispatch on a channel with its own proxy thread");
-  Job job{JobKind::kDispatch, 0, round_++, dispatchedSinceCombine_, DType::kInvalid, {}, {}};
+  Job job{JobKind::kDispatch, 0, round_++, dispatchedSinceCombine_, DType::kInvalid, {}};
   dispatchedSinceCombine_ = true;
   runExternal(job);
 }
 
-void ProxyChannel::exchangeCombine(DType yDtype, RowsPacked rowsPacked) {
+void ProxyChannel::exchangeCombine(DType yDtype) {
   EPCOMM_CHECK(!thread_.joinable(), kInternal, "exchangeCombine on a channel with its own proxy thread");
   (void)combinePhase(yDtype);
   EPCOMM_CHECK(round_ > 0, kInvalidArgument, "combine before any dispatch");
   rowBytes_ = static_cast<uint64_t>(config_.hiddenDim) * dtypeSize(yDtype);
-  Job job{JobKind::kCombine, 0, round_ - 1, false, yDtype, {}, std::move(rowsPacked)};
+  Job job{JobKind::kCombine, 0, round_ - 1, false, yDtype, {}};
   dispatchedSinceCombine_ = false;
   runExternal(job);
 }
@@ -634,7 +642,7 @@ void ProxyChannel::runBarrier(const Job& job) {
     fabric::Completion done;
     done.counter = &localDone_;
     ++localPosted_;
-    engine_->barrier(*headGroup_, imm, done);
+    engine_->barrier(headGroup_, imm, done);
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -672,7 +680,7 @@ void ProxyChannel::runDispatch(const Job& job) {
     } else {
       std::lock_guard<std::mutex> lock(mu_);
       ++localPosted_;
-      engine_->scatter(*headGroup_, *sendMr_, slices, true, headImm, done);
+      engine_->scatter(headGroup_, *sendMr_, slices, true, headImm, done);
     }
   }
   if (onPosted_) onPosted_(Phase::kHead);
@@ -744,64 +752,46 @@ void ProxyChannel::runDispatch(const Job& job) {
 void ProxyChannel::runCombine(const Job& job) {
   const Phase phase = combinePhase(job.yDtype);
   const uint32_t round = roundOf(job);
-  const uint32_t D = sizes_.dpSize, G = sizes_.numDpGroups(), ownGroup = rank_ / D;
+  const uint32_t D = sizes_.dpSize;
+  fabric::Completion done;
+  done.counter = &localDone_;
   const uint32_t imm = encodeImm(tagId_, phase, round, rank_);
-  // One write: a piece of the rows of q's group (length 0: the immediate alone).
-  auto post = [&](uint32_t q, uint64_t srcOffset, uint64_t dstOffset, uint64_t length) {
+  if (!peerRanks_.empty()) {
+    // One write per peer: the rows of the peer's DP group (the same source range for every rank of a group).
+    std::vector<std::vector<fabric::ScatterSlice>> slices(peerRanks_.size());
     {
       std::lock_guard<std::mutex> lock(mu_);
-      ++stats_.peers[q].combineWrites;
-      stats_.peers[q].bytes += length;
+      for (size_t i = 0; i < peerRanks_.size(); ++i) {
+        const uint32_t q = peerRanks_[i];
+        const uint32_t g = q / D;
+        const uint64_t length = fabricBulk(q) ? layout_.combineRows(rank_, g) * rowBytes_ : 0;
+        if (length > 0) {
+          slices[i].push_back(fabric::ScatterSlice{layout_.combineSendStart(g) * rowBytes_,
+                                                   layout_.combineRecvStartIn(g, rank_) * rowBytes_, length});
+        }
+        ++stats_.peers[q].combineWrites;
+        stats_.peers[q].bytes += length;
+      }
     }
     if (perPeer()) {
-      if (skipWrite_ && skipWrite_(phase, q)) return;
-      postToPeer(q, combineSendMr_.get(), srcOffset, &combineRecvDescs_[q], dstOffset, length, imm);
-      return;
-    }
-    fabric::Completion done;
-    done.counter = &localDone_;
-    std::lock_guard<std::mutex> lock(mu_);
-    ++localPosted_;
-    if (length == 0) {
-      engine_->immediate(peerIds_[q], imm, done);
+      for (size_t i = 0; i < peerRanks_.size(); ++i) {
+        const uint32_t q = peerRanks_[i];
+        if (skipWrite_ && skipWrite_(phase, q)) continue;
+        if (slices[i].empty()) {
+          postToPeer(q, nullptr, 0, nullptr, 0, 0, imm);
+        } else {
+          const fabric::ScatterSlice& sl = slices[i][0];
+          postToPeer(q, combineSendMr_.get(), sl.srcOffset, &combineRecvDescs_[q], sl.dstOffset, sl.length, imm);
+        }
+      }
     } else {
-      engine_->write(peerIds_[q], *combineSendMr_, srcOffset, combineRecvDescs_[q], dstOffset, length, true, imm, done);
+      std::lock_guard<std::mutex> lock(mu_);
+      ++localPosted_;
+      engine_->scatter(combineGroup_, *combineSendMr_, slices, true, imm, done);
     }
-  };
-  // Groups in pack order; each group's rows go to its peers over the fabric in pieces, each posted once the rows it
-  // covers are packed (at once without rowsPacked: the host backend packs everything first). The same source range
-  // serves every rank of a group. Peers that get no rows over the fabric (none for them, or reached over NVLink) get
-  // the immediate alone once everything is packed.
-  std::vector<uint32_t> targets, immOnly;
-  uint64_t packed = 0;  // rows of the groups before g, in pack order
-  for (uint32_t step = 0; step < G && !peerRanks_.empty(); ++step) {
-    const uint32_t g = combineGroupAt(ownGroup, G, step);
-    const uint64_t rows = layout_.combineRows(rank_, g);
-    targets.clear();
-    for (uint32_t q : peerRanks_) {
-      if (q / D == g) (rows > 0 && fabricBulk(q) ? targets : immOnly).push_back(q);
-    }
-    const uint64_t bytes = rows * rowBytes_, srcStart = layout_.combineSendStart(g) * rowBytes_,
-                   dstStart = layout_.combineRecvStartIn(g, rank_) * rowBytes_;
-    for (uint64_t off = 0; off < bytes && !targets.empty(); off += kCombinePieceBytes) {
-      const uint64_t length = std::min(kCombinePieceBytes, bytes - off);
-      if (job.rowsPacked) job.rowsPacked(packed + (off + length + rowBytes_ - 1) / rowBytes_);
-      for (uint32_t q : targets) post(q, srcStart + off, dstStart + off, length);
-    }
-    packed += rows;
-  }
-  if (!immOnly.empty()) {
-    if (job.rowsPacked) job.rowsPacked(packed);
-    for (uint32_t q : immOnly) post(q, 0, 0, 0);
   }
   if (onPosted_) onPosted_(phase);
-  // Each owner's pieces: combinePieces of the bytes it sends this rank's group over the fabric.
-  std::vector<uint32_t> senders;
-  for (uint32_t q : peerRanks_) {
-    const uint64_t bytes = fabricBulk(q) ? layout_.combineRows(q, ownGroup) * rowBytes_ : 0;
-    senders.insert(senders.end(), combinePieces(bytes), q);
-  }
-  waitFromPeers(phase, round, senders, "combine");
+  waitFromPeers(phase, round, peerRanks_, "combine");
   waitLocalCompletions("combine", round);
 }
 

@@ -18,7 +18,6 @@
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -76,8 +75,7 @@ struct PeerOps {
   uint64_t headWrites = 0;     ///< Dispatch: routing counts + private tokens (one per round, posted as the head,
                                ///< then the private tokens when there are any).
   uint64_t bulkWrites = 0;     ///< Dispatch: remaining tokens (one per round when the private area overflowed).
-  uint64_t combineWrites = 0;  ///< Combine: writes of expert outputs (a round's rows in pieces of at most
-                               ///< kCombinePieceBytes, each with the immediate; zero bytes = one immediate only).
+  uint64_t combineWrites = 0;  ///< Combine: expert outputs (one per round; zero bytes = immediate only).
   uint64_t barrierImms = 0;    ///< Immediates of the reuse barrier (dispatch followed by dispatch).
   uint64_t bytes = 0;          ///< Payload bytes of all of the above.
   uint64_t ops() const { return headWrites + bulkWrites + combineWrites + barrierImms; }
@@ -144,14 +142,9 @@ class ProxyChannel {
   /// and records it (every later call rethrows), except a round lost to a peer while the ranks agreed to go on
   /// (elastic): then takeLostRound() is true once and the channel goes on (the next exchange is a dispatch).
   void exchangeDispatch();
-  /// Blocks until the first `rows` rows of the combine send buffer in pack order (groups in combineGroupAt order, each
-  /// group's rows in buffer order) are packed; throws to give the exchange up (a bound, the object's destruction).
-  using RowsPacked = std::function<void(uint64_t rows)>;
   /// externalDriver only: one combine exchange of rows of dtype yDtype (packed with combineSendRows), on the calling
-  /// thread; returns when every owner's rows have landed. Errors as exchangeDispatch. With `rowsPacked`, the device
-  /// side may still be packing: each piece of a message (kCombinePieceBytes) is posted once rowsPacked returns for
-  /// the rows it covers, so the first rows travel while the rest are packed.
-  void exchangeCombine(DType yDtype, RowsPacked rowsPacked = {});
+  /// thread; returns when every owner's rows have landed. Errors as exchangeDispatch.
+  void exchangeCombine(DType yDtype);
   /// Makes the waits of an exchange in progress give up (kInternal, "abandoned") at their next check: for a driver
   /// thread that is being stopped.
   void requestStop() { stop_ = true; }
@@ -200,7 +193,6 @@ class ProxyChannel {
     bool barrierFirst;
     DType yDtype;
     std::vector<uint8_t> mask;  // kAgree: the caller's mask
-    RowsPacked rowsPacked;      // kCombine from exchangeCombine: what the rows to post wait for (empty: all packed)
   };
 
   // A round lost to peers that are gone (elastic ranks): thrown inside an exchange and caught by runJob, which then
@@ -338,7 +330,8 @@ class ProxyChannel {
   std::vector<fabric::PeerId> peerIds_;                           // by rank (self: unused)
   std::vector<uint32_t> peerRanks_;                               // group member index -> rank
   std::vector<fabric::MemoryDesc> recvDescs_, combineRecvDescs_;  // by rank
-  std::optional<fabric::GroupId> headGroup_;  // the peers' receive buffers (dispatch heads, barriers); none at W = 1
+  fabric::GroupId headGroup_ = 0, combineGroup_ = 0;
+  bool groups_ = false;  // the two groups exist (not at W = 1); destroyed with the channel
 
   RoundLayout layout_;
   uint32_t round_ = 0;

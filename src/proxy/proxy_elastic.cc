@@ -451,7 +451,7 @@ void ProxyChannel::setActiveRanks(const std::vector<uint8_t>& mask) {
     any = any || mask[r];
   }
   EPCOMM_CHECK(any, kInvalidArgument, "setActiveRanks: the mask leaves no rank active");
-  Job job{JobKind::kAgree, ++postedSeq_, round_, false, DType::kInvalid, mask, {}};
+  Job job{JobKind::kAgree, ++postedSeq_, round_, false, DType::kInvalid, mask};
   if (thread_.joinable()) {
     post(job);
     waitJob(job.seq, "setActiveRanks");

@@ -14,7 +14,6 @@
 #include "epcomm/error.hpp"
 #include "epcomm/fabric/transfer_engine.hpp"
 #include "host_harness.hpp"
-#include "proxy/protocol.hpp"
 #include "support/fabric_probe.hpp"
 #include "support/multiprocess.hpp"
 
@@ -182,53 +181,6 @@ TEST(HostBackend, OverflowIsOneWritePerPeer) {
       runOptions());
   EXPECT_TRUE(result.allOk()) << result.summary();
 }
-
-// ---- The combine's rows to a peer go in pieces of kCombinePieceBytes, each with its immediate: messages of one to
-// three pieces (bf16 and fp32 rows), to the other groups and to the owner's own group (D = 2). ----
-
-class HostCombinePieces : public ::testing::TestWithParam<std::tuple<std::string, uint32_t>> {};
-
-TEST_P(HostCombinePieces, MatchReferenceAndCount) {
-  const auto [provider, D] = GetParam();
-  SKIP_WITHOUT(provider);
-  Scenario sc;
-  sc.W = D == 1 ? 3 : 4;  // with D = 2: two groups
-  sc.D = D;
-  sc.E = 12;
-  sc.K = 3;
-  sc.T = 48;
-  sc.H = 4096;
-  sc.route = RouteMode::kOneRank;  // rank 0 owns every row: T x K rows to every group
-  sc.options.provider = provider;
-  const uint32_t rounds = 4;
-  RunResult result = runRanks(
-      sc.W,
-      [&](int rank, Bootstrap& bootstrap) {
-        host::HostAllToAll a2a(sc.config(rank), bootstrap, sc.options);
-        uint64_t pieces = 0;  // rank 0's writes to each peer
-        for (uint32_t round = 0; round < rounds; ++round) {
-          Scenario r = sc;
-          r.yDtype = round % 2 == 0 ? DType::kBf16 : DType::kF32;
-          ASSERT_TRUE(checkedRound(a2a, r, rank, round)) << "round " << round;
-          const uint64_t bytes = uint64_t{sc.T} * sc.K * sc.H * dtypeSize(r.yDtype);
-          pieces += proxy::combinePieces(bytes);
-          EXPECT_GE(proxy::combinePieces(bytes), 2u);
-        }
-        const host::HostStats st = a2a.stats();
-        for (uint32_t p = 0; p < sc.W; ++p) {
-          if (p == static_cast<uint32_t>(rank)) continue;
-          EXPECT_EQ(st.peers[p].combineWrites, rank == 0 ? pieces : rounds) << "peer " << p;
-        }
-      },
-      runOptions());
-  EXPECT_TRUE(result.allOk()) << result.summary();
-}
-
-INSTANTIATE_TEST_SUITE_P(Host, HostCombinePieces,
-                         ::testing::Combine(::testing::Values("tcp", "shm"), ::testing::Values(1u, 2u)),
-                         [](const auto& info) {
-                           return std::get<0>(info.param) + "_D" + std::to_string(std::get<1>(info.param));
-                         });
 
 TEST(HostBackend, NoOverflowWhenPrivateAreaSuffices) {
   SKIP_WITHOUT("shm");

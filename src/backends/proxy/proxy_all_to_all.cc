@@ -311,32 +311,6 @@ bool ProxyAllToAll::Impl::waitDevice(const uint64_t* word, uint64_t want, uint64
   }
 }
 
-// Within a combine whose kernel runs (its first segment is out): its next segments follow within the kernel's time,
-// so this wait is bounded by EPCOMM_TIMEOUT_MS; it ends at once when the object is destroyed.
-void ProxyAllToAll::Impl::waitRowsPacked(uint64_t want) {
-  const auto start = std::chrono::steady_clock::now();
-  const auto bound = std::chrono::milliseconds(channel->timeoutMs());
-  for (uint32_t i = 0; loadAcquire(&mailbox->combineRows) < want; ++i) {
-    if ((i & 255) != 255) {
-      cpuRelax();
-      continue;
-    }
-    EPCOMM_CHECK(!stop.load(std::memory_order_relaxed), kInternal,
-                 "proxy backend rank " << config.rank << ": combine abandoned (object destroyed)");
-    const auto waited = std::chrono::steady_clock::now() - start;
-    if (waited > bound) {
-      const uint64_t seen = loadAcquire(&mailbox->combineRows);
-      detail::throwError(ErrorCode::kTimeout,
-                         "combine: the combine send kernel packed " + std::to_string(seen & 0xffffffffu) +
-                             " rows of round " + std::to_string((want >> 32) - 1) + " after " +
-                             std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(waited).count()) +
-                             " ms, " + std::to_string(want & 0xffffffffu) + " expected (device stalled?)",
-                         __FILE__, __LINE__);
-    }
-    if (std::chrono::duration_cast<std::chrono::microseconds>(waited).count() > 2000) std::this_thread::yield();
-  }
-}
-
 void ProxyAllToAll::Impl::refused(bool doSend, bool combine, const Error& e) {
   if (!doSend || config.worldSize == 1) return;
   std::lock_guard<std::mutex> lock(mu);
@@ -395,18 +369,10 @@ void ProxyAllToAll::Impl::proxyLoop() {
       writeTables(channel->layout(), tg, config.rank, lg.size > 0, tables);
       if (trace != nullptr) trace[round % kTraceRounds].proxyArrived = hostNowNs();
       storeRelease(&mailbox->dispatchArrived, round + 1);
-      // The combine's first segment of rows; the exchange posts each piece once the kernel has packed its rows.
-      const uint64_t combineRound = (round + 1) << 32;
-      if (!waitDevice(&mailbox->combineRows, combineRound, 2 * round + 1)) return;
+      if (!waitDevice(&mailbox->combineReady, round + 1, 2 * round + 1)) return;
       if (trace != nullptr) trace[round % kTraceRounds].combSeen = hostNowNs();
       const int32_t type = __atomic_load_n(&mailbox->combineType, __ATOMIC_ACQUIRE);
-      bool firstPiece = true;
-      auto rowsPacked = [&](uint64_t rows) {
-        waitRowsPacked(combineRound | rows);
-        if (trace != nullptr && firstPiece) trace[round % kTraceRounds].combFirstPost = hostNowNs();
-        firstPiece = false;
-      };
-      if (!exchangeOrLose([&] { channel->exchangeCombine(combineDtype(type), rowsPacked); })) return;
+      if (!exchangeOrLose([&] { channel->exchangeCombine(combineDtype(type)); })) return;
       if (trace != nullptr) trace[round % kTraceRounds].combArrived = hostNowNs();
       storeRelease(&mailbox->combineArrived, round + 1);
       ++round;

@@ -15,8 +15,8 @@ namespace {
 // Many blocks, one warp per (row, kChunkBytes of it): row i of the combine send buffer (piece (g, le) = the rows of
 // group g's senders for local expert le, pieces in (g, le) order) is a copy of expertY's row of that expert. Group g's
 // rows go to the send buffer when a rank of g is reached over the fabric, and into the region of every node rank of g
-// (st.lg), at sendDest[g], where the channel would have written them. Rows go in segments (pack order), each published
-// in the mailbox's combineRows when done; the last block raises this rank's combine flag in every node rank's region.
+// (st.lg), at sendDest[g], where the channel would have written them. The last block raises this rank's combine flag in
+// every node rank's region, then signals combineReady.
 __global__ void __launch_bounds__(kCopyThreads) combineSendKernel(const CombineSendArgs a) {
   const DeviceState& st = a.st;
   extern __shared__ uint32_t smem[];  // sendCum[G * L + 1], srcStart[G * L], sendDest[G]
@@ -48,78 +48,63 @@ __global__ void __launch_bounds__(kCopyThreads) combineSendKernel(const CombineS
   const uint32_t lane = laneId();
   const uint32_t warps = gridDim.x * (blockDim.x / 32);
   const uint64_t chunks = vec ? (rowBytes + kChunkBytes - 1) / kChunkBytes : 1;
-  // Pack order (proxy::combineGroupAt): from the first row of the group after this rank's own, wrapping around, so
-  // that the rows the fabric carries come first; segment by segment, each published as soon as every block is done
-  // with it (the proxy posts a piece once its rows are published).
-  const uint32_t rows = sendCum[pieces];
-  const uint32_t rotate = sendCum[proxy::combineGroupAt(me / D, tg.G, 0) * L];
-  const uint64_t segRows = combineSegmentRows(rows, rowBytes);
-  const uint32_t segments = rows == 0 ? 1 : static_cast<uint32_t>((rows + segRows - 1) / segRows);
+  const uint64_t total = sendCum[pieces] * chunks;
   uint32_t piece = 0;
-  for (uint32_t seg = 0; seg < segments; ++seg) {
-    const uint64_t segEnd = min(static_cast<uint64_t>(rows), (seg + 1) * segRows);
-    for (uint64_t u = seg * segRows * chunks + blockIdx.x + gridDim.x * warpId(); u < segEnd * chunks; u += warps) {
-      uint32_t i = static_cast<uint32_t>(u / chunks) + rotate;
-      if (i >= rows) i -= rows;
-      const uint64_t chunk = u % chunks;
-      if (i < sendCum[piece]) piece = 0;
-      while (sendCum[piece + 1] <= i) ++piece;
-      const uint64_t r = srcStart[piece] + (i - sendCum[piece]);
-      const int64_t off =
-          batched ? static_cast<int64_t>(r / R) * a.yExpertStride + static_cast<int64_t>(r % R) * a.yRowStride
-                  : static_cast<int64_t>(r) * a.yRowStride;
-      const uint8_t* src = a.y + off * a.itemBytes;
-      // Group g's ranks [g D, g D + D): those on this node get the row in their region, the send buffer serves the
-      // rest.
-      const uint32_t g = piece / L;
-      // Without the NVLink path this rank's own group's rows also go to the scratch's own rows (device memory), which
-      // this rank reads; the send buffer then serves the group's other ranks only (D > 1).
-      const uint32_t nodeBegin = max(g * D, lg.first), nodeEnd = min(g * D + D, lg.first + lg.size);
-      const bool own = lg.size == 0 && g == me / D;
-      const bool fabric = lg.size == 0 ? (!own || D > 1) : (nodeBegin != g * D || nodeEnd != g * D + D);
-      uint8_t* dst = fabric ? a.ch.combineSend + static_cast<uint64_t>(i) * rowBytes : nullptr;
-      uint8_t* ownDst =
-          own ? st.scratch + st.sg.offOwnRows + static_cast<uint64_t>(i - sendCum[g * L]) * rowBytes : nullptr;
-      const uint64_t localOff = lg.offRows + (static_cast<uint64_t>(sendDest[g]) + i - sendCum[g * L]) * rowBytes;
-      if (vec) {
-        // One chunk of the row: every load before the first store.
-        const uint64_t base = chunk * kChunkBytes + lane * 16ull;
-        int4 v[kCopyBatch];
+  for (uint64_t u = blockIdx.x + gridDim.x * warpId(); u < total; u += warps) {
+    const uint32_t i = static_cast<uint32_t>(u / chunks);
+    const uint64_t chunk = u % chunks;
+    while (sendCum[piece + 1] <= i) ++piece;
+    const uint64_t r = srcStart[piece] + (i - sendCum[piece]);
+    const int64_t off = batched
+                            ? static_cast<int64_t>(r / R) * a.yExpertStride + static_cast<int64_t>(r % R) * a.yRowStride
+                            : static_cast<int64_t>(r) * a.yRowStride;
+    const uint8_t* src = a.y + off * a.itemBytes;
+    // Group g's ranks [g D, g D + D): those on this node get the row in their region, the send buffer serves the rest.
+    const uint32_t g = piece / L;
+    // Without the NVLink path this rank's own group's rows also go to the scratch's own rows (device memory), which
+    // this rank reads; the send buffer then serves the group's other ranks only (D > 1).
+    const uint32_t nodeBegin = max(g * D, lg.first), nodeEnd = min(g * D + D, lg.first + lg.size);
+    const bool own = lg.size == 0 && g == me / D;
+    const bool fabric = lg.size == 0 ? (!own || D > 1) : (nodeBegin != g * D || nodeEnd != g * D + D);
+    uint8_t* dst = fabric ? a.ch.combineSend + static_cast<uint64_t>(i) * rowBytes : nullptr;
+    uint8_t* ownDst =
+        own ? st.scratch + st.sg.offOwnRows + static_cast<uint64_t>(i - sendCum[g * L]) * rowBytes : nullptr;
+    const uint64_t localOff = lg.offRows + (static_cast<uint64_t>(sendDest[g]) + i - sendCum[g * L]) * rowBytes;
+    if (vec) {
+      // One chunk of the row: every load before the first store.
+      const uint64_t base = chunk * kChunkBytes + lane * 16ull;
+      int4 v[kCopyBatch];
 #pragma unroll
-        for (uint32_t q = 0; q < kCopyBatch; ++q) {
-          const uint64_t b = base + q * 32 * 16;
-          if (b < rowBytes) v[q] = *reinterpret_cast<const int4*>(src + b);
-        }
+      for (uint32_t q = 0; q < kCopyBatch; ++q) {
+        const uint64_t b = base + q * 32 * 16;
+        if (b < rowBytes) v[q] = *reinterpret_cast<const int4*>(src + b);
+      }
 #pragma unroll
-        for (uint32_t q = 0; q < kCopyBatch; ++q) {
-          const uint64_t b = base + q * 32 * 16;
-          if (b >= rowBytes) continue;
-          if (dst != nullptr) st16(dst + b, v[q]);
-          if (ownDst != nullptr) st16(ownDst + b, v[q]);
-          for (uint32_t p = nodeBegin; p < nodeEnd; ++p) st16(localRegion(st, p) + localOff + b, v[q]);
-        }
-      } else {
-        for (uint64_t b = lane * 2ull; b < rowBytes; b += 32 * 2) {
-          const uint16_t v = *reinterpret_cast<const uint16_t*>(src + b);
-          if (dst != nullptr) *reinterpret_cast<uint16_t*>(dst + b) = v;
-          if (ownDst != nullptr) *reinterpret_cast<uint16_t*>(ownDst + b) = v;
-          for (uint32_t p = nodeBegin; p < nodeEnd; ++p) {
-            *reinterpret_cast<uint16_t*>(localRegion(st, p) + localOff + b) = v;
-          }
+      for (uint32_t q = 0; q < kCopyBatch; ++q) {
+        const uint64_t b = base + q * 32 * 16;
+        if (b >= rowBytes) continue;
+        if (dst != nullptr) st16(dst + b, v[q]);
+        if (ownDst != nullptr) st16(ownDst + b, v[q]);
+        for (uint32_t p = nodeBegin; p < nodeEnd; ++p) st16(localRegion(st, p) + localOff + b, v[q]);
+      }
+    } else {
+      for (uint64_t b = lane * 2ull; b < rowBytes; b += 32 * 2) {
+        const uint16_t v = *reinterpret_cast<const uint16_t*>(src + b);
+        if (dst != nullptr) *reinterpret_cast<uint16_t*>(dst + b) = v;
+        if (ownDst != nullptr) *reinterpret_cast<uint16_t*>(ownDst + b) = v;
+        for (uint32_t p = nodeBegin; p < nodeEnd; ++p) {
+          *reinterpret_cast<uint16_t*>(localRegion(st, p) + localOff + b) = v;
         }
       }
     }
-    segmentDone(st, seg, [&] {
-      *reinterpret_cast<volatile int32_t*>(&st.mailbox->combineType) = a.yType;
-      if (seg == 0) stamp(st, round, &TraceRound::combFirst);
-      fenceAcqRelSys();
-      stReleaseSys(&st.mailbox->combineRows, (static_cast<uint64_t>(round) + 1) << 32 | segEnd);
-    });
   }
   lastBlock(st, kSeqCombineSend, [&] {
     *seqWord(st, kSeqCombineSend) = round + 1;
     raiseLocalFlags(st, me, st.lg.offCombineFlag, round + 1);
+    *reinterpret_cast<volatile int32_t*>(&st.mailbox->combineType) = a.yType;
     stamp(st, round, &TraceRound::combReady);
+    fenceAcqRelSys();
+    stReleaseSys(&st.mailbox->combineReady, round + 1);
   });
 }
 

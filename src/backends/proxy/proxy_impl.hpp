@@ -31,8 +31,6 @@ struct ProxyAllToAll::Impl {
   // Waits for the device's flag of step `step` (2 x round, + 1 for a combine); meanwhile sends this rank's refusal of
   // that step (refused()), if any.
   bool waitDevice(const uint64_t* word, uint64_t want, uint64_t step);
-  // Waits until the mailbox's combineRows reaches `want` (the combine send kernel's progress); throws kTimeout.
-  void waitRowsPacked(uint64_t want);
   // A call whose send half was refused (`e`, nothing launched): the proxy thread tells the peers (noticeRefused) once
   // it waits for that step, i.e. after the exchanges of every step before it (their round numbers are the channel's).
   void refused(bool doSend, bool combine, const Error& e);

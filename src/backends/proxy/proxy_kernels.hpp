@@ -3,12 +3,10 @@
 // and the device scratch. No CUDA headers here, so the host class and the planner compile with the C++ compiler.
 //
 // Hand-off (docs/proxy.md): a send kernel packs the channel's send buffer (pinned host memory mapped into the GPU),
-// then its last block fences at system scope and stores the round into `dispatchReady` with release semantics; the
-// combine send kernel publishes its rows as it packs them, segment by segment (`combineRows`), so that the proxy
-// posts the first rows while the rest are packed. The proxy thread polls those words, runs the exchange over the
-// TransferEngine, writes the round's tables and then `dispatchArrived` / `combineArrived` (release); the receive
-// kernel polls it with ld.acquire.sys. All counters are monotone round numbers kept by the device (CUDA graphs replay
-// correctly).
+// then its last block fences at system scope and stores the round into `dispatchReady` / `combineReady` with release
+// semantics. The proxy thread polls that word, runs the exchange over the TransferEngine, writes the round's tables
+// and then `dispatchArrived` / `combineArrived` (release); the receive kernel polls it with ld.acquire.sys. All
+// counters are monotone round numbers kept by the device (CUDA graphs replay correctly).
 //
 // Same-node peers (LocalGeometry, EPCOMM_PROXY_LOCAL_SIZE > 1): the heads and immediates still go through the
 // channel, but entries and combine rows go GPU to GPU: the send kernels store them into the node peers' device
@@ -44,22 +42,20 @@ using ErrorRecord = KernelErrorRecord;
 
 /// Stamps of one round (EPCOMM_PROXY_TRACE): device stamps are %globaltimer ns, host stamps CLOCK_REALTIME ns.
 struct TraceRound {
-  uint64_t packStart;      ///< device: dispatch route kernel entered
-  uint64_t packReady;      ///< device: dispatchReady stored
-  uint64_t proxySeen;      ///< host: the proxy saw dispatchReady
-  uint64_t proxyPosted;    ///< host: the heads were posted (first fabric operation)
-  uint64_t proxyArrived;   ///< host: every peer's tokens in, tables written, dispatchArrived stored
-  uint64_t unpackStart;    ///< device: the rank kernel saw dispatchArrived
-  uint64_t unpackEnd;      ///< device: the copy kernel's last block finished
-  uint64_t combStart;      ///< device: combine-send entered
-  uint64_t combFirst;      ///< device: the combine send kernel published its first segment of rows
-  uint64_t combReady;      ///< device: the combine send kernel's last block finished (every row packed)
-  uint64_t combSeen;       ///< host: the proxy saw the first segment
-  uint64_t combFirstPost;  ///< host: the first piece of rows is posted (its rows packed)
-  uint64_t combPosted;     ///< host: every piece posted
-  uint64_t combArrived;    ///< host: every owner's rows in, combineArrived stored
-  uint64_t sumStart;       ///< device: combine-recv saw combineArrived
-  uint64_t sumEnd;         ///< device: combine-recv's last block finished
+  uint64_t packStart;     ///< device: dispatch route kernel entered
+  uint64_t packReady;     ///< device: dispatchReady stored
+  uint64_t proxySeen;     ///< host: the proxy saw dispatchReady
+  uint64_t proxyPosted;   ///< host: the heads were posted (first fabric operation)
+  uint64_t proxyArrived;  ///< host: every peer's tokens in, tables written, dispatchArrived stored
+  uint64_t unpackStart;   ///< device: the rank kernel saw dispatchArrived
+  uint64_t unpackEnd;     ///< device: the copy kernel's last block finished
+  uint64_t combStart;     ///< device: combine-send entered
+  uint64_t combReady;     ///< device: combineReady stored
+  uint64_t combSeen;      ///< host: the proxy saw combineReady
+  uint64_t combPosted;    ///< host: combine rows posted
+  uint64_t combArrived;   ///< host: every owner's rows in, combineArrived stored
+  uint64_t sumStart;      ///< device: combine-recv saw combineArrived
+  uint64_t sumEnd;        ///< device: combine-recv's last block finished
 };
 constexpr uint32_t kTraceRounds = 1024;  ///< ring of per-round records (round % kTraceRounds)
 
@@ -67,10 +63,8 @@ constexpr uint32_t kTraceRounds = 1024;  ///< ring of per-round records (round %
 struct Mailbox {
   // Kernels -> proxy.
   alignas(64) uint64_t dispatchReady;  ///< rounds whose send slots (heads + entries) are packed
-  /// ((round + 1) << 32) | rows of the combine send buffer packed so far, in pack order (proxy::combineGroupAt):
-  /// monotone; the combine send kernel raises it once per segment (combineSegmentRows).
-  uint64_t combineRows;
-  int32_t combineType;  ///< expertY of the combine being published (CombineType), stored before combineRows
+  uint64_t combineReady;               ///< rounds whose combine rows are packed
+  int32_t combineType;                 ///< expertY of the combine being published (CombineType)
   // Proxy -> kernels.
   alignas(64) uint64_t dispatchArrived;  ///< rounds whose peers' tokens are in and whose tables are written
   uint64_t combineArrived;               ///< rounds whose owners' rows are in
@@ -183,17 +177,6 @@ inline LocalGeometry localGeometry(const proxy::ProtocolSizes& s, uint32_t size,
 /// Warps of the single-block ranking kernels (route, rank): each takes a contiguous chunk of the tokens (entries).
 constexpr uint32_t kRankWarps = 32;
 
-/// The combine send kernel packs its rows segment after segment (pack order) and publishes each segment as it
-/// completes; a segment holds about one piece of the channel's messages (kCombinePieceBytes), and there are at most
-/// kCombineSegments of them (each costs every block a barrier and a system-scope fence).
-constexpr uint32_t kCombineSegments = 16;
-EPCOMM_HD uint64_t combineSegmentRows(uint64_t rows, uint64_t rowBytes) {
-  const uint64_t byBytes = rowBytes == 0 ? rows : (proxy::kCombinePieceBytes + rowBytes - 1) / rowBytes;
-  const uint64_t byCount = (rows + kCombineSegments - 1) / kCombineSegments;
-  const uint64_t r = byBytes > byCount ? byBytes : byCount;
-  return r == 0 ? 1 : r;
-}
-
 /// Device scratch of one object (cudaMalloc), by offsets in bytes from its base.
 struct ScratchGeometry {
   uint64_t offSeq;       ///< u32 [4]: rounds completed by dispatch-send, dispatch-recv, combine-send, combine-recv
@@ -201,7 +184,6 @@ struct ScratchGeometry {
   uint64_t offClaimed;   ///< i32: the first failing kernel claims it (then every kernel bails out)
   uint64_t offBound;     ///< u32: the dispatch's token bound this round
   uint64_t offArrived;   ///< u64 [2]: block 0's copy of dispatchArrived / combineArrived, which the other blocks poll
-  uint64_t offSegDone;   ///< u32 [kCombineSegments]: blocks of the combine send kernel that finished each segment
   uint64_t offExperts;   ///< i32 [T][K]: the group tokens' experts, -1 masked / repeated / out of range / >= bound
   uint64_t offPos;       ///< u64 [T][K]: ((e + 1) << 32) | row of (t, k) among its group sender's rows of e; 0 none
   uint64_t offEntryOf;   ///< u32 [T][K]: own tokens: entry index in the owner's send slot (first k per owner)
@@ -235,9 +217,7 @@ inline ScratchGeometry scratchGeometry(const proxy::ProtocolSizes& s, uint32_t m
   g.offBound = at;
   at += 4;
   g.offArrived = at;  // 40: 8-byte aligned
-  at += 16;
-  g.offSegDone = at;
-  at = align(at + 4ull * kCombineSegments);
+  at = align(at + 16);
   g.offExperts = at;
   at = align(at + 4 * TK);
   g.offPos = at;

@@ -35,14 +35,9 @@ const Phase kPhases[] = {
      "host"},
     {"dispatch: kernel sees arrival", &TraceRound::proxyArrived, &TraceRound::unpackStart, "host->gpu"},
     {"dispatch: kernel unpack (rank + copy)", &TraceRound::unpackStart, &TraceRound::unpackEnd, "gpu"},
-    {"combine: kernel pack (every row)", &TraceRound::combStart, &TraceRound::combReady, "gpu"},
-    {"combine: kernel pack (first segment)", &TraceRound::combStart, &TraceRound::combFirst, "gpu"},
-    {"combine: proxy sees the first segment", &TraceRound::combFirst, &TraceRound::combSeen, "gpu->host"},
-    {"combine: reaction (first segment -> first piece posting)", &TraceRound::combFirst, &TraceRound::combFirstPost,
-     "gpu->host"},
-    {"combine: posting (first piece -> every piece posted)", &TraceRound::combFirstPost, &TraceRound::combPosted,
-     "host"},
-    {"combine: wire (every piece posted -> all owners in)", &TraceRound::combPosted, &TraceRound::combArrived, "host"},
+    {"combine: kernel pack", &TraceRound::combStart, &TraceRound::combReady, "gpu"},
+    {"combine: reaction (flag -> first fabric post)", &TraceRound::combReady, &TraceRound::combPosted, "gpu->host"},
+    {"combine: wire (posted -> all owners in)", &TraceRound::combPosted, &TraceRound::combArrived, "host"},
     {"combine: kernel sees arrival", &TraceRound::combArrived, &TraceRound::sumStart, "host->gpu"},
     {"combine: kernel weighted sum", &TraceRound::sumStart, &TraceRound::sumEnd, "gpu"},
 };
@@ -59,7 +54,7 @@ std::string traceSummary(const TraceRound* ring, uint64_t rounds, int rank, int6
       << " recorded); globaltimer - realtime in [" << clockLo / 1000.0 << ", " << clockHi / 1000.0
       << "] us at creation: rows across the two clocks are good to +-" << (clockHi - clockLo) / 2000.0 << " us\n";
   char line[256];
-  std::snprintf(line, sizeof line, "  %-60s %10s %10s %6s  %s\n", "phase", "median us", "p90 us", "n", "clock");
+  std::snprintf(line, sizeof line, "  %-52s %10s %10s %6s  %s\n", "phase", "median us", "p90 us", "n", "clock");
   oss << line;
   for (const Phase& p : kPhases) {
     std::vector<double> us;
@@ -74,7 +69,7 @@ std::string traceSummary(const TraceRound* ring, uint64_t rounds, int rank, int6
     }
     if (us.empty()) continue;
     std::sort(us.begin(), us.end());
-    std::snprintf(line, sizeof line, "  %-60s %10.1f %10.1f %6zu  %s\n", p.name, us[us.size() / 2],
+    std::snprintf(line, sizeof line, "  %-52s %10.1f %10.1f %6zu  %s\n", p.name, us[us.size() / 2],
                   us[std::min(us.size() - 1, us.size() * 9 / 10)], us.size(), p.clocks);
     oss << line;
   }

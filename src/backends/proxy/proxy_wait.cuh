@@ -229,20 +229,6 @@ __device__ __forceinline__ void lastBlock(const DeviceState& st, int which, Last
   last();
 }
 
-// Every block of the combine send kernel calls this (all threads) when it is done with segment `seg`: as lastBlock,
-// per segment. Blocks never wait for each other: a segment is published by whichever block finishes it last.
-template <typename Last>
-__device__ __forceinline__ void segmentDone(const DeviceState& st, uint32_t seg, Last last) {
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  uint32_t* word = reinterpret_cast<uint32_t*>(st.scratch + st.sg.offSegDone) + seg;
-  fenceAcqRelSys();
-  if (atomicAdd(word, 1u) + 1 != gridDim.x) return;
-  fenceAcqRelSys();
-  *word = 0;
-  last();
-}
-
 __device__ __forceinline__ void stamp(const DeviceState& st, uint32_t round, uint64_t TraceRound::*field) {
   if (st.trace != nullptr) {
     volatile uint64_t* p = &(st.trace[round % kTraceRounds].*field);
