@@ -2,7 +2,10 @@
 // against the reference; open file descriptors, threads and resident memory at the end are those after the first
 // ten objects (fabric endpoints hold sockets or shared memory: they show in the file descriptors and memory).
 //
-// CHURN_OBJECTS sets the count (the default keeps CI short; the full run is 2,000).
+// CHURN_OBJECTS sets the count (default 200, the full run is 2,000). The heap check compares the second half with a
+// bound per object, and the providers' retained memory per endpoint settles over the first ~100 objects: on a 2-core
+// VM, shm grew ~800 B per object between objects 50 and 99 (a 1 KiB bound: under load some runs went over it), ~300 B
+// between 150 and 299.
 #include <gtest/gtest.h>
 
 #include <malloc.h>
@@ -50,7 +53,7 @@ class HostChurn : public ::testing::TestWithParam<std::string> {};
 TEST_P(HostChurn, ObjectsComeAndGoTwoInFlight) {
   const std::string provider = GetParam();
   if (!providerAvailable(provider)) GTEST_SKIP() << "libfabric provider '" << provider << "' is not usable here";
-  const uint32_t n = static_cast<uint32_t>(envNumber("CHURN_OBJECTS", 100));
+  const uint32_t n = static_cast<uint32_t>(envNumber("CHURN_OBJECTS", 200));
   Scenario sc;
   sc.W = 3;
   sc.E = 6;
