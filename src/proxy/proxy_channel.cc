@@ -99,7 +99,6 @@ ProxyChannel::ProxyChannel(const Config& config, Bootstrap& bootstrap, const Cha
   if (!members.empty()) {
     headGroup_ = engine_->createGroup(members, headDsts);
     combineGroup_ = engine_->createGroup(members, combineDsts);
-    groups_ = true;
   }
   // Notice slots: one per sender, written by a peer that refuses a call or gives a round up (see NoticeWire).
   const uint64_t noticeBytes = roundUpPow2(static_cast<uint64_t>(world_ + 1) * kNoticeBytes, 4096);
@@ -162,7 +161,7 @@ ProxyChannel::~ProxyChannel() {
   for (uint32_t p : peerRanks_) {
     while (peerWrites_->done[p].load() < peerPosted_[p] && nowMs() < deadline) backoff.pause();
   }
-  if (groups_) {
+  if (world_ > 1) {  // the groups of every peer exist
     engine_->destroyGroup(headGroup_);
     engine_->destroyGroup(combineGroup_);
   }

@@ -330,8 +330,7 @@ class ProxyChannel {
   std::vector<fabric::PeerId> peerIds_;                           // by rank (self: unused)
   std::vector<uint32_t> peerRanks_;                               // group member index -> rank
   std::vector<fabric::MemoryDesc> recvDescs_, combineRecvDescs_;  // by rank
-  fabric::GroupId headGroup_ = 0, combineGroup_ = 0;
-  bool groups_ = false;  // the two groups exist (not at W = 1); destroyed with the channel
+  fabric::GroupId headGroup_ = 0, combineGroup_ = 0;              // W > 1 only; destroyed with the channel
 
   RoundLayout layout_;
   uint32_t round_ = 0;
