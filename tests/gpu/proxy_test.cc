@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdio>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -119,13 +121,44 @@ TEST_P(ProxyGpu, DecodeShape) {
 }
 
 // EPCOMM_PROXY_TRACE=1: every round's phases are stamped (kernels into host-mapped memory, the proxy thread on the
-// host) and summarised at destruction; the rounds still match the reference.
+// host) and summarised at destruction; the rounds still match the reference. EPCOMM_PROXY_TRACE_FILE: each rank
+// writes its rounds' stamps, one JSON line per round, every phase stamped and in order on the host clock.
 TEST_P(ProxyGpu, TraceOn) {
-  ScopedEnv trace({{"EPCOMM_PROXY_TRACE", "1"}});
+  char dir[] = "/tmp/epcomm-trace-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string prefix = std::string(dir) + "/t";
+  ScopedEnv trace({{"EPCOMM_PROXY_TRACE", "1"}, {"EPCOMM_PROXY_TRACE_FILE", prefix.c_str()}});
   Scenario s = base(2);
   s.masked = true;
   s.rounds = 4;
   runAll(2, {s});
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string path = prefix + ".rank" + std::to_string(rank) + ".jsonl";
+    std::ifstream in(path);
+    ASSERT_TRUE(in.good()) << path;
+    std::string line;
+    int rounds = 0;
+    while (std::getline(in, line)) {
+      ++rounds;
+      // The stamps of one round in the order the round takes them: each after the one before.
+      long long last = 0;
+      for (const char* name : {"packStart", "packReady", "proxySeen", "proxyArrived", "unpackStart", "unpackEnd",
+                               "combStart", "combReady", "combSeen", "combArrived", "sumStart", "sumEnd"}) {
+        const std::string key = std::string("\"") + name + "\":";
+        const size_t at = line.find(key);
+        ASSERT_NE(at, std::string::npos) << name << " in " << line;
+        const long long v = std::stoll(line.substr(at + key.size()));
+        EXPECT_GT(v, 0) << name << " in " << line;
+        // Across the two clocks a stamp may precede the one before by the clock check's error (well under 50 us).
+        EXPECT_GT(v, last - 50000) << name << " in " << line;
+        last = v;
+      }
+      EXPECT_NE(line.find("\"rank\":" + std::to_string(rank)), std::string::npos) << line;
+    }
+    EXPECT_GE(rounds, 4) << path;
+    std::remove(path.c_str());
+  }
+  rmdir(dir);
 }
 
 // Fabric counters of the object: one head write and one combine write per peer per round; bulk writes only when the

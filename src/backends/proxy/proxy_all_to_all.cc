@@ -264,6 +264,12 @@ void ProxyAllToAll::Impl::release() {
   if (trace != nullptr && roundsServed.load() > 0) {
     std::fputs(traceSummary(trace, roundsServed.load(), static_cast<int>(config.rank), clockLo, clockHi).c_str(),
                stderr);
+    const std::string dump = envString("EPCOMM_PROXY_TRACE_FILE");
+    if (!dump.empty()) {
+      const std::string failed =
+          traceDump(dump, trace, roundsServed.load(), static_cast<int>(config.rank), clockLo, clockHi);
+      if (!failed.empty()) std::fprintf(stderr, "%s\n", failed.c_str());
+    }
   }
   for (void* p : pinned) cudaHostUnregister(p);
   pinned.clear();

@@ -3,6 +3,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <sstream>
@@ -36,6 +37,8 @@ const Phase kPhases[] = {
     {"dispatch: kernel sees arrival", &TraceRound::proxyArrived, &TraceRound::unpackStart, "host->gpu"},
     {"dispatch: kernel unpack (rank + copy)", &TraceRound::unpackStart, &TraceRound::unpackEnd, "gpu"},
     {"combine: kernel pack", &TraceRound::combStart, &TraceRound::combReady, "gpu"},
+    {"combine: proxy sees the flag", &TraceRound::combReady, &TraceRound::combSeen, "gpu->host"},
+    {"combine: proxy post (flag seen -> rows posted)", &TraceRound::combSeen, &TraceRound::combPosted, "host"},
     {"combine: reaction (flag -> first fabric post)", &TraceRound::combReady, &TraceRound::combPosted, "gpu->host"},
     {"combine: wire (posted -> all owners in)", &TraceRound::combPosted, &TraceRound::combArrived, "host"},
     {"combine: kernel sees arrival", &TraceRound::combArrived, &TraceRound::sumStart, "host->gpu"},
@@ -74,6 +77,42 @@ std::string traceSummary(const TraceRound* ring, uint64_t rounds, int rank, int6
     oss << line;
   }
   return oss.str();
+}
+
+std::string traceDump(const std::string& prefix, const TraceRound* ring, uint64_t rounds, int rank, int64_t clockLo,
+                      int64_t clockHi) {
+  const std::string path = prefix + ".rank" + std::to_string(rank) + ".jsonl";
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) return "epcomm proxy trace: cannot write " + path + ": " + std::strerror(errno);
+  const int64_t offset = (clockLo + clockHi) / 2;
+  const uint64_t n = std::min<uint64_t>(rounds, kTraceRounds);
+  struct Stamp {
+    const char* name;
+    uint64_t TraceRound::*at;
+    bool device;
+  };
+  static const Stamp kStamps[] = {
+      {"packStart", &TraceRound::packStart, true},        {"packReady", &TraceRound::packReady, true},
+      {"proxySeen", &TraceRound::proxySeen, false},       {"proxyPosted", &TraceRound::proxyPosted, false},
+      {"proxyArrived", &TraceRound::proxyArrived, false}, {"unpackStart", &TraceRound::unpackStart, true},
+      {"unpackEnd", &TraceRound::unpackEnd, true},        {"combStart", &TraceRound::combStart, true},
+      {"combReady", &TraceRound::combReady, true},        {"combSeen", &TraceRound::combSeen, false},
+      {"combPosted", &TraceRound::combPosted, false},     {"combArrived", &TraceRound::combArrived, false},
+      {"sumStart", &TraceRound::sumStart, true},          {"sumEnd", &TraceRound::sumEnd, true},
+  };
+  // Rounds in the order they ran: the ring holds the last n of `rounds`.
+  for (uint64_t round = rounds - n; round < rounds; ++round) {
+    const TraceRound& r = ring[round % kTraceRounds];
+    std::fprintf(f, "{\"rank\":%d,\"round\":%llu", rank, static_cast<unsigned long long>(round));
+    for (const Stamp& s : kStamps) {
+      const uint64_t v = r.*(s.at);
+      const long long host = v == 0 ? 0 : static_cast<long long>(v) - (s.device ? offset : 0);
+      std::fprintf(f, ",\"%s\":%lld", s.name, host);
+    }
+    std::fprintf(f, "}\n");
+  }
+  const bool ok = std::fclose(f) == 0;
+  return ok ? "" : "epcomm proxy trace: writing " + path + " failed";
 }
 
 }  // namespace gpuproxy

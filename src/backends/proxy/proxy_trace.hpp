@@ -20,5 +20,10 @@ uint64_t hostNowNs();
 /// bounds of (globaltimer - realtime) measured at creation, in ns.
 std::string traceSummary(const TraceRound* ring, uint64_t rounds, int rank, int64_t clockLo, int64_t clockHi);
 
+/// Writes the recorded rounds' stamps to `<prefix>.rank<rank>.jsonl`, one JSON object per round, every stamp in
+/// host ns (device stamps minus the middle of the clock offset window; 0 = not stamped). Returns "" or what failed.
+std::string traceDump(const std::string& prefix, const TraceRound* ring, uint64_t rounds, int rank, int64_t clockLo,
+                      int64_t clockHi);
+
 }  // namespace gpuproxy
 }  // namespace epcomm
