@@ -35,6 +35,8 @@ struct Args {
   std::string json;
   bool baseline = true;
   int port = 47700;
+  uint64_t crossSize = 8ull << 20;  ///< bytes each rank writes to the other in the crossing mode (0: skip it)
+  double crossSkewUs = 20;          ///< how much later rank 1 posts than rank 0 in the crossing mode
 };
 
 struct Row {
@@ -43,6 +45,7 @@ struct Row {
   uint64_t iters = 0;
   double latencyUs = 0;
   double gbps = 0;
+  double postUs = -1;  ///< crossing mode: median time the later rank's post call took
 };
 
 std::string shell(const std::string& cmd) {
@@ -103,6 +106,51 @@ uint64_t itersFor(uint64_t size, double seconds, double assumedGBps) {
   double perIterUs = 20.0 + static_cast<double>(size) / (assumedGBps * 1e3);
   uint64_t n = static_cast<uint64_t>(seconds * 1e6 / perIterUs);
   return std::max<uint64_t>(5, std::min<uint64_t>(n, 20000));
+}
+
+// Crossing writes: each round both ranks write `size` bytes with an immediate to each other, rank 1 `skew` us after
+// rank 0 (as two ranks of an all-to-all whose kernels finish a little apart), and wait for the peer's write and their
+// own completion. What it shows: whether a post waits while the engine moves the peer's incoming bytes (a provider
+// that copies inside its progress call, like shm's CMA read of a large write). Row: round time and rank 1's post
+// call, medians.
+Row crossing(const Args& a, fg::Comm& comm, TransferEngine& engine, PeerId peer, const MemoryRegion& region,
+             const MemoryDesc& remote, const std::string& prov) {
+  const uint64_t size = a.crossSize;
+  const uint64_t iters = std::max<uint64_t>(20, itersFor(size, 4 * a.secondsPerPoint, 2.0));
+  std::vector<double> round, post;
+  std::atomic<uint64_t> done{0};
+  Completion c;
+  c.counter = &done;
+  for (uint64_t i = 0; i < iters + 3; ++i) {
+    comm.barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    if (comm.rank() == 1) {
+      while (std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() < a.crossSkewUs) {
+      }
+    }
+    const auto p0 = std::chrono::steady_clock::now();
+    engine.write(peer, region, 0, remote, a.maxSize, size, true, 5, c);
+    const auto p1 = std::chrono::steady_clock::now();
+    engine.waitImm(5, 1, "crossing write from the peer");
+    engine.waitCounter(done, i + 1, "crossing write's local completion");
+    const auto t1 = std::chrono::steady_clock::now();
+    if (i < 3) continue;  // warm-up
+    round.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    post.push_back(std::chrono::duration<double, std::micro>(p1 - p0).count());
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  // Rank 1's post is the one that can land inside rank 0's write; rank 0 reports it (and the slower round).
+  double mine[2] = {median(round), median(post)};
+  auto all = comm.allGather(std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(mine),
+                                                 reinterpret_cast<const uint8_t*>(mine) + sizeof mine));
+  double theirs[2];
+  std::memcpy(theirs, all[1].data(), sizeof theirs);
+  Row r{"epcomm-fabric-bench", prov, "crossing", size, iters, std::max(mine[0], theirs[0]), 0, theirs[1]};
+  r.gbps = static_cast<double>(size) * 8.0 / (r.latencyUs * 1e3);
+  return r;
 }
 
 // One provider: two forked ranks; rank 0 writes its rows to `outPath`.
@@ -169,12 +217,13 @@ void runEngine(const Args& a, const std::string& provider, const std::string& ou
       rows.push_back(lat);
       rows.push_back(bw);
     }
+    if (a.crossSize > 0) rows.push_back(crossing(a, comm, *engine, peer, *region, remote, prov));
     comm.barrier("end");
     if (comm.rank() == 0) {
       std::ofstream out(outPath);
       for (const Row& r : rows) {
         out << r.tool << ' ' << r.provider << ' ' << r.mode << ' ' << r.size << ' ' << r.iters << ' ' << r.latencyUs
-            << ' ' << r.gbps << '\n';
+            << ' ' << r.gbps << ' ' << r.postUs << '\n';
       }
     }
   });
@@ -217,7 +266,8 @@ bool runPingpong(const std::string& provider, uint64_t size, uint64_t iters, int
 void usage() {
   std::printf(
       "usage: epcomm-fabric-bench [--provider tcp,shm] [--min 8] [--max 67108864] [--inflight 8]\n"
-      "                           [--seconds 0.25] [--rev REV] [--json FILE] [--no-baseline] [--port 47700]\n");
+      "                           [--seconds 0.25] [--rev REV] [--json FILE] [--no-baseline] [--port 47700]\n"
+      "                           [--cross-size 8388608 (0: no crossing rows)] [--cross-skew-us 20]\n");
 }
 
 }  // namespace
@@ -254,12 +304,16 @@ int main(int argc, char** argv) {
       a.baseline = false;
     } else if (k == "--port") {
       a.port = std::atoi(val().c_str());
+    } else if (k == "--cross-size") {
+      a.crossSize = std::strtoull(val().c_str(), nullptr, 10);
+    } else if (k == "--cross-skew-us") {
+      a.crossSkewUs = std::atof(val().c_str());
     } else {
       usage();
       return k == "--help" || k == "-h" ? 0 : 2;
     }
   }
-  if (a.minSize == 0 || a.maxSize < a.minSize || a.inflight < 1) {
+  if (a.minSize == 0 || a.maxSize < a.minSize || a.inflight < 1 || a.crossSize > a.maxSize) {
     usage();
     return 2;
   }
@@ -274,7 +328,9 @@ int main(int argc, char** argv) {
     runEngine(a, prov, tmpl);
     std::ifstream in(tmpl);
     Row r;
-    while (in >> r.tool >> r.provider >> r.mode >> r.size >> r.iters >> r.latencyUs >> r.gbps) all.push_back(r);
+    while (in >> r.tool >> r.provider >> r.mode >> r.size >> r.iters >> r.latencyUs >> r.gbps >> r.postUs) {
+      all.push_back(r);
+    }
     unlink(tmpl);
     if (!a.baseline) continue;
     int port = a.port;
@@ -289,6 +345,7 @@ int main(int argc, char** argv) {
   std::map<std::pair<std::string, uint64_t>, std::map<std::string, Row>> byKey;
   std::vector<std::pair<std::string, uint64_t>> order;
   for (const Row& r : all) {
+    if (r.mode == "crossing") continue;  // its own lines below the table
     std::string prov = r.tool == "fi_pingpong" ? r.provider : r.provider;
     // Group our provider names ("tcp;ofi_rxm") with the requested fi_pingpong name ("tcp").
     std::string key = prov.substr(0, prov.find(';'));
@@ -306,15 +363,24 @@ int main(int argc, char** argv) {
                 pp ? pp->latencyUs : 0.0, pp ? pp->gbps : 0.0, (lat && pp) ? lat->latencyUs / pp->latencyUs : 0.0,
                 (bw && pp && pp->gbps > 0) ? 100.0 * bw->gbps / pp->gbps : 0.0);
   }
+  for (const Row& r : all) {
+    if (r.mode != "crossing") continue;
+    std::printf(
+        "%-12s %9s | crossing writes, rank 1 posts %.0f us after rank 0: round %.1f us (%.3f Gb/s each way), "
+        "rank 1's post call %.1f us\n",
+        r.provider.substr(0, r.provider.find(';')).c_str(), sizeText(r.size).c_str(), a.crossSkewUs, r.latencyUs,
+        r.gbps, r.postUs);
+  }
   std::FILE* json = a.json.empty() ? nullptr : std::fopen(a.json.c_str(), "a");
   for (const Row& r : all) {
     char line[1024];
-    std::snprintf(line, sizeof(line),
-                  "{\"tool\":\"%s\",\"provider\":\"%s\",\"mode\":\"%s\",\"size\":%llu,\"iters\":%llu,"
-                  "\"latency_us\":%.3f,\"gbps\":%.4f,\"inflight\":%d,\"rev\":\"%s\",\"machine\":\"%s\"}",
-                  r.tool.c_str(), jsonEscape(r.provider).c_str(), r.mode.c_str(),
-                  static_cast<unsigned long long>(r.size), static_cast<unsigned long long>(r.iters), r.latencyUs,
-                  r.gbps, r.mode == "stream" ? a.inflight : 1, jsonEscape(a.rev).c_str(), jsonEscape(mach).c_str());
+    std::snprintf(
+        line, sizeof(line),
+        "{\"tool\":\"%s\",\"provider\":\"%s\",\"mode\":\"%s\",\"size\":%llu,\"iters\":%llu,"
+        "\"latency_us\":%.3f,\"gbps\":%.4f,\"inflight\":%d,\"post_us\":%.3f,\"rev\":\"%s\",\"machine\":\"%s\"}",
+        r.tool.c_str(), jsonEscape(r.provider).c_str(), r.mode.c_str(), static_cast<unsigned long long>(r.size),
+        static_cast<unsigned long long>(r.iters), r.latencyUs, r.gbps, r.mode == "stream" ? a.inflight : 1, r.postUs,
+        jsonEscape(a.rev).c_str(), jsonEscape(mach).c_str());
     std::printf("%s\n", line);
     if (json != nullptr) std::fprintf(json, "%s\n", line);
   }

@@ -161,7 +161,10 @@ struct FiNic {
   fid_av* av = nullptr;
   fid_cq* cq = nullptr;
   fid_ep* ep = nullptr;
-  SpinThenBlockMutex mu;  // every call on this domain is serialised here (FI_THREAD_DOMAIN)
+  // Our state below, and every provider call but the completion queue's reads (every call, FI_THREAD_DOMAIN).
+  SpinThenBlockMutex mu;
+  // Held by the one thread reading the completion queue (taken before mu where both are held).
+  std::mutex cqMu;
   // NOTE: refused posts wait in a queue per peer, not one per endpoint. An endpoint posts to every peer, and the
   // provider refuses (FI_EAGAIN) the posts to a peer it cannot take more for: tcp;ofi_rxm every post to a peer whose
   // connection it saw fail, shm every post to a dead peer once its command queue is full. Behind one FIFO per

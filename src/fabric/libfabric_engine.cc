@@ -41,7 +41,7 @@ uint64_t hostKey() {
 
 // ---------------------------------------------------------------------------------------------------------------
 
-fi_info* LibfabricEngine::getInfo(const std::string& prov, bool hmem, bool ordered) {
+fi_info* LibfabricEngine::getInfo(const std::string& prov, bool hmem, bool ordered, bool threadSafe) {
   fi_info* hints = fi_allocinfo();
   if (hints == nullptr) return nullptr;
   hints->caps = FI_MSG | FI_RMA | FI_SEND | FI_RECV | FI_WRITE | FI_REMOTE_WRITE | (hmem ? FI_HMEM : 0);
@@ -49,7 +49,7 @@ fi_info* LibfabricEngine::getInfo(const std::string& prov, bool hmem, bool order
   hints->ep_attr->type = FI_EP_RDM;
   hints->domain_attr->mr_mode =
       FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT | (hmem ? FI_MR_HMEM : 0);
-  hints->domain_attr->threading = FI_THREAD_DOMAIN;
+  hints->domain_attr->threading = threadSafe ? FI_THREAD_SAFE : FI_THREAD_DOMAIN;
   hints->domain_attr->av_type = FI_AV_TABLE;
   if (ordered) {
     hints->tx_attr->msg_order = FI_ORDER_RMA_WAW | FI_ORDER_WAW;
@@ -73,7 +73,7 @@ std::vector<std::string> LibfabricEngine::probeProviders() {
   std::vector<std::string> out;
   for (const char* name : {"efa", "verbs", "tcp", "shm", "sockets"}) {
     for (const std::string& c : candidates(name)) {
-      fi_info* info = getInfo(c, false, false);
+      fi_info* info = getInfo(c, false, false, false);
       if (info == nullptr) continue;
       std::string prov = info->fabric_attr->prov_name;
       fi_freeinfo(info);
@@ -91,14 +91,17 @@ LibfabricEngine::LibfabricEngine(const EngineOptions& options) : EngineBase(opti
   for (const std::string& c : candidates(want)) {
     tried += (tried.empty() ? "" : ", ") + c;
     const bool hmem = c.rfind("efa", 0) == 0 || c.rfind("verbs", 0) == 0;
-    for (int attempt = 0; attempt < 4 && list == nullptr; ++attempt) {
-      // Ask for HMEM and RMA write-after-write ordering first; drop what the provider cannot give.
-      bool withHmem = hmem && attempt < 2;
-      bool ordered = (attempt % 2) == 0;
-      list = getInfo(c, withHmem, ordered);
+    for (int attempt = 0; attempt < 8 && list == nullptr; ++attempt) {
+      // Ask for HMEM, RMA write-after-write ordering and FI_THREAD_SAFE first; drop what the provider cannot give
+      // (thread safety last: it only saves waiting, the others change what the engine can do).
+      const bool withHmem = hmem && attempt < 4;
+      const bool ordered = (attempt / 2) % 2 == 0;
+      const bool threadSafe = attempt % 2 == 0;
+      list = getInfo(c, withHmem, ordered, threadSafe);
       if (list != nullptr) {
         hmem_ = withHmem;
         ordered_ = ordered;
+        threadSafe_ = threadSafe;
       }
     }
     if (list != nullptr) break;
@@ -168,7 +171,8 @@ LibfabricEngine::LibfabricEngine(const EngineOptions& options) : EngineBase(opti
   EPCOMM_LOG(kInfo, "libfabric engine: provider " << prov_ << ", " << numNics_ << " endpoint(s), mr_mode"
                                                   << (virtAddr_ ? " virt_addr" : "") << (mrLocal_ ? " local" : "")
                                                   << (provKey_ ? " prov_key" : "") << (mrEndpoint_ ? " endpoint" : "")
-                                                  << ", inject " << injectSize_ << ", ordered " << ordered_);
+                                                  << ", inject " << injectSize_ << ", ordered " << ordered_
+                                                  << (threadSafe_ ? ", thread safe" : ", thread domain"));
   startProgress();
 }
 

@@ -21,9 +21,11 @@ struct Piece;
 
 /// FI_EP_RDM engine. One fabric/domain/AV/CQ/endpoint per NIC (numNics endpoints of one provider stand in for
 /// several NICs). Providers: "tcp" (-> "tcp;ofi_rxm"), "verbs" (-> "verbs;ofi_rxm"), "shm", "efa", "sockets".
-/// Every libfabric call on a domain is serialised by that NIC's mutex (FI_THREAD_DOMAIN); submitting threads post
-/// directly and queue on FI_EAGAIN, per peer (a peer the provider refuses holds no other), which the progress thread
-/// (or a waiting caller) retries until the timeout.
+/// Submitting threads post under the NIC's mutex and queue on FI_EAGAIN, per peer (a peer the provider refuses holds
+/// no other), which the progress thread (or a waiting caller) retries until the timeout. Where the provider offers
+/// FI_THREAD_SAFE (tcp;ofi_rxm, shm, verbs, efa), the completion queue is read outside that mutex, so a post never
+/// waits for a progress call that is moving a peer's bytes (shm copies a large incoming write inside fi_cq_read);
+/// otherwise (FI_THREAD_DOMAIN) every call on the domain is serialised by the mutex.
 class LibfabricEngine : public EngineBase {
  public:
   /// Throws kUnavailable when the provider offers no suitable endpoint, kFabric when opening it fails.
@@ -66,7 +68,7 @@ class LibfabricEngine : public EngineBase {
     const ProcessWatch* process = nullptr;  // the peer's process when it runs on this host (watches_ owns it)
   };
 
-  static fi_info* getInfo(const std::string& prov, bool hmem, bool ordered);
+  static fi_info* getInfo(const std::string& prov, bool hmem, bool ordered, bool threadSafe);
   static std::vector<std::string> candidates(const std::string& name);
   void openNic(FiNic& n, fi_info* info);
   void closeAll();
@@ -94,6 +96,7 @@ class LibfabricEngine : public EngineBase {
   bool rxCqData_ = false;
   bool ordered_ = false;
   bool hmem_ = false;
+  bool threadSafe_ = false;  // FI_THREAD_SAFE: fi_cq_read runs outside FiNic::mu
   size_t injectSize_ = 0;
   bool rmaInject_ = true;  // writes and immediates may take fi_inject_write(data) (see the constructor's NOTE)
   uint64_t maxMsg_ = 1ull << 30;
