@@ -25,7 +25,10 @@ std::atomic<uint32_t> gNextObjectId{0};
 void ProxyChannel::FreeBytes::operator()(uint8_t* p) const { std::free(p); }
 
 ProxyChannel::ProxyChannel(const Config& config, Bootstrap& bootstrap, const ChannelOptions& options)
-    : config_(config), onPosted_(options.onPosted), bulkOverFabric_(options.bulkOverFabric) {
+    : config_(config),
+      onPosted_(options.onPosted),
+      onPosting_(options.onPosting),
+      bulkOverFabric_(options.bulkOverFabric) {
   EPCOMM_CHECK(bulkOverFabric_.empty() || bulkOverFabric_.size() == config.worldSize, kInvalidArgument,
                "host/proxy channel: bulkOverFabric has " << bulkOverFabric_.size() << " marks for " << config.worldSize
                                                          << " ranks");
@@ -669,6 +672,7 @@ void ProxyChannel::runDispatch(const Job& job) {
       slices[i].push_back(
           fabric::ScatterSlice{s.sendSlotOffset(peerRanks_[i]), s.privateSlotOffset(rank_), s.headBytes});
     }
+    if (onPosting_) onPosting_(Phase::kHead);
     if (perPeer()) {
       for (size_t i = 0; i < peerRanks_.size(); ++i) {
         const fabric::ScatterSlice& sl = slices[i][0];
@@ -772,6 +776,7 @@ void ProxyChannel::runCombine(const Job& job) {
         stats_.peers[q].bytes += length;
       }
     }
+    if (onPosting_) onPosting_(phase);
     if (perPeer()) {
       for (size_t i = 0; i < peerRanks_.size(); ++i) {
         const uint32_t q = peerRanks_[i];

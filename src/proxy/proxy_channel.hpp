@@ -55,6 +55,9 @@ struct ChannelOptions {
   /// Called on the exchanging thread right after a round's first fabric operation was posted (the head scatter of a
   /// dispatch, the row scatter of a combine): for phase traces.
   std::function<void(Phase phase)> onPosted;
+  /// Called on the exchanging thread right before that first operation is posted: with onPosted, it splits the
+  /// channel's own work after the caller's start from the provider's post call.
+  std::function<void(Phase phase)> onPosting;
   /// Per peer (indexed by rank): whether the channel moves that peer's bulk, its entries and combine rows, over the
   /// fabric. Empty: every peer's. A peer marked false, one the caller reaches another way (the GPU proxy backend's
   /// same-node peers, over NVLink), still gets every control message, so the RoundLayout and the waits are the same:
@@ -308,7 +311,7 @@ class ProxyChannel {
 
   Config config_;
   ProtocolSizes sizes_;
-  std::function<void(Phase)> onPosted_;
+  std::function<void(Phase)> onPosted_, onPosting_;
   std::vector<bool> bulkOverFabric_;                // ChannelOptions::bulkOverFabric
   std::function<bool(Phase, uint32_t)> skipWrite_;  // ChannelOptions::skipWrite
   bool fabricBulk(uint32_t p) const { return bulkOverFabric_.empty() || bulkOverFabric_[p]; }

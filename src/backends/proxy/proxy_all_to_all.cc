@@ -121,6 +121,10 @@ ProxyAllToAll::Impl::Impl(const Config& c, Bootstrap& bootstrap, const proxy::Ch
         TraceRound& r = trace[traceRound % kTraceRounds];
         (phase == proxy::Phase::kHead ? r.proxyPosted : r.combPosted) = hostNowNs();
       };
+      opts.onPosting = [this](proxy::Phase phase) {
+        TraceRound& r = trace[traceRound % kTraceRounds];
+        (phase == proxy::Phase::kHead ? r.proxyPosting : r.combPosting) = hostNowNs();
+      };
     }
     // Elastic ranks (EPCOMM_ELASTIC=1, as the host backend): a peer lost mid-round is masked once the others agree.
     if (opts.elastic < 0) opts.elastic = envInt("EPCOMM_ELASTIC") != 0 ? 1 : 0;

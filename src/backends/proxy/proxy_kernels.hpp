@@ -45,6 +45,7 @@ struct TraceRound {
   uint64_t packStart;     ///< device: dispatch route kernel entered
   uint64_t packReady;     ///< device: dispatchReady stored
   uint64_t proxySeen;     ///< host: the proxy saw dispatchReady
+  uint64_t proxyPosting;  ///< host: the heads' post call begins
   uint64_t proxyPosted;   ///< host: the heads were posted (first fabric operation)
   uint64_t proxyArrived;  ///< host: every peer's tokens in, tables written, dispatchArrived stored
   uint64_t unpackStart;   ///< device: the rank kernel saw dispatchArrived
@@ -52,6 +53,7 @@ struct TraceRound {
   uint64_t combStart;     ///< device: combine-send entered
   uint64_t combReady;     ///< device: combineReady stored
   uint64_t combSeen;      ///< host: the proxy saw combineReady
+  uint64_t combPosting;   ///< host: the rows' post call begins
   uint64_t combPosted;    ///< host: combine rows posted
   uint64_t combArrived;   ///< host: every owner's rows in, combineArrived stored
   uint64_t sumStart;      ///< device: combine-recv saw combineArrived

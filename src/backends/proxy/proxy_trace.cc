@@ -31,6 +31,8 @@ const Phase kPhases[] = {
     {"dispatch: kernel pack (route + pack)", &TraceRound::packStart, &TraceRound::packReady, "gpu"},
     {"dispatch: proxy sees the flag", &TraceRound::packReady, &TraceRound::proxySeen, "gpu->host"},
     {"dispatch: proxy post (flag seen -> heads posted)", &TraceRound::proxySeen, &TraceRound::proxyPosted, "host"},
+    {"dispatch:   channel (flag seen -> post call begins)", &TraceRound::proxySeen, &TraceRound::proxyPosting, "host"},
+    {"dispatch:   post call (engine + provider, heads)", &TraceRound::proxyPosting, &TraceRound::proxyPosted, "host"},
     {"dispatch: reaction (flag -> first fabric post)", &TraceRound::packReady, &TraceRound::proxyPosted, "gpu->host"},
     {"dispatch: wire (posted -> all peers in, tables out)", &TraceRound::proxyPosted, &TraceRound::proxyArrived,
      "host"},
@@ -39,6 +41,8 @@ const Phase kPhases[] = {
     {"combine: kernel pack", &TraceRound::combStart, &TraceRound::combReady, "gpu"},
     {"combine: proxy sees the flag", &TraceRound::combReady, &TraceRound::combSeen, "gpu->host"},
     {"combine: proxy post (flag seen -> rows posted)", &TraceRound::combSeen, &TraceRound::combPosted, "host"},
+    {"combine:   channel (flag seen -> post call begins)", &TraceRound::combSeen, &TraceRound::combPosting, "host"},
+    {"combine:   post call (engine + provider, rows)", &TraceRound::combPosting, &TraceRound::combPosted, "host"},
     {"combine: reaction (flag -> first fabric post)", &TraceRound::combReady, &TraceRound::combPosted, "gpu->host"},
     {"combine: wire (posted -> all owners in)", &TraceRound::combPosted, &TraceRound::combArrived, "host"},
     {"combine: kernel sees arrival", &TraceRound::combArrived, &TraceRound::sumStart, "host->gpu"},
@@ -92,13 +96,14 @@ std::string traceDump(const std::string& prefix, const TraceRound* ring, uint64_
     bool device;
   };
   static const Stamp kStamps[] = {
-      {"packStart", &TraceRound::packStart, true},        {"packReady", &TraceRound::packReady, true},
-      {"proxySeen", &TraceRound::proxySeen, false},       {"proxyPosted", &TraceRound::proxyPosted, false},
-      {"proxyArrived", &TraceRound::proxyArrived, false}, {"unpackStart", &TraceRound::unpackStart, true},
-      {"unpackEnd", &TraceRound::unpackEnd, true},        {"combStart", &TraceRound::combStart, true},
-      {"combReady", &TraceRound::combReady, true},        {"combSeen", &TraceRound::combSeen, false},
-      {"combPosted", &TraceRound::combPosted, false},     {"combArrived", &TraceRound::combArrived, false},
-      {"sumStart", &TraceRound::sumStart, true},          {"sumEnd", &TraceRound::sumEnd, true},
+      {"packStart", &TraceRound::packStart, true},      {"packReady", &TraceRound::packReady, true},
+      {"proxySeen", &TraceRound::proxySeen, false},     {"proxyPosting", &TraceRound::proxyPosting, false},
+      {"proxyPosted", &TraceRound::proxyPosted, false}, {"proxyArrived", &TraceRound::proxyArrived, false},
+      {"unpackStart", &TraceRound::unpackStart, true},  {"unpackEnd", &TraceRound::unpackEnd, true},
+      {"combStart", &TraceRound::combStart, true},      {"combReady", &TraceRound::combReady, true},
+      {"combSeen", &TraceRound::combSeen, false},       {"combPosting", &TraceRound::combPosting, false},
+      {"combPosted", &TraceRound::combPosted, false},   {"combArrived", &TraceRound::combArrived, false},
+      {"sumStart", &TraceRound::sumStart, true},        {"sumEnd", &TraceRound::sumEnd, true},
   };
   // Rounds in the order they ran: the ring holds the last n of `rounds`.
   for (uint64_t round = rounds - n; round < rounds; ++round) {
