@@ -23,7 +23,7 @@ struct Piece;
 /// several NICs). Providers: "tcp" (-> "tcp;ofi_rxm"), "verbs" (-> "verbs;ofi_rxm"), "shm", "efa", "sockets".
 /// Submitting threads post under the NIC's mutex and queue on FI_EAGAIN, per peer (a peer the provider refuses holds
 /// no other), which the progress thread (or a waiting caller) retries until the timeout. Where the provider offers
-/// FI_THREAD_SAFE (tcp;ofi_rxm, shm, verbs, efa), the completion queue is read outside that mutex, so a post never
+/// FI_THREAD_SAFE (tcp;ofi_rxm and shm do here), the completion queue is read outside that mutex, so a post never
 /// waits for a progress call that is moving a peer's bytes (shm copies a large incoming write inside fi_cq_read);
 /// otherwise (FI_THREAD_DOMAIN) every call on the domain is serialised by the mutex.
 class LibfabricEngine : public EngineBase {

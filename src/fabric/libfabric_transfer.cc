@@ -453,7 +453,8 @@ bool LibfabricEngine::progressOnce() {
     // sender's memory) inside this call: under mu, a post made meanwhile waited out the whole copy, and two ranks
     // writing to each other a few us apart moved their bytes one after the other (one H200 host, proxy combine of
     // 7.3 MB per peer: about half the rounds took ~1.9 ms instead of ~1.0 ms). A piece completed here was put on
-    // n.live under mu when it was posted, and only this thread (holding cqMu) takes pieces off it.
+    // n.live under mu when it was posted, and pieces leave n.live only through their completions (handled here,
+    // under cqMu and mu) or the engine's close.
     if (threadSafe_) lock.unlock();
     fi_cq_data_entry entries[kCqBatch];
     ssize_t got = fi_cq_read(n.cq, entries, kCqBatch);
