@@ -36,8 +36,9 @@ const std::vector<EnvVar>& envVars() {
        "medians at destruction"},
       {"EPCOMM_PROXY_TRACE_FILE", "",
        "proxy backend diagnostics, with EPCOMM_PROXY_TRACE=1: also writes every recorded round's stamps (ns, host "
-       "clock CLOCK_REALTIME, device stamps moved onto it) as JSON lines to <value>.rank<r>.jsonl, so that ranks "
-       "on one host can be set side by side"},
+       "clock CLOCK_REALTIME, device stamps moved onto it) as JSON lines to <value>.rank<r>.jsonl when the object is "
+       "destroyed (a later object's file replaces an earlier one's), so that ranks on one host can be set side by "
+       "side"},
       {"EPCOMM_NVLINK_BLOCKS", "0", "nvlink backend: thread blocks per kernel (0: automatic)"},
       {"EPCOMM_NVLINK_THREADS", "0", "nvlink backend: threads per block, 256 or 512 (0: automatic)"},
       {"EPCOMM_NVLINK_GRAPH_LAUNCH", "1",
