@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kCopyThreads) combineSendKernel(const CombineS
     raiseLocalFlags(st, me, st.lg.offCombineFlag, round + 1);
     *reinterpret_cast<volatile int32_t*>(&st.mailbox->combineType) = a.yType;
     stamp(st, round, &TraceRound::combReady);
-    fenceAcqRelSys();
+    // The release store orders combineType (and lastBlock's fences every block's rows) before the flag.
     stReleaseSys(&st.mailbox->combineReady, round + 1);
   });
 }
