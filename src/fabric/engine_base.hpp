@@ -234,7 +234,6 @@ class EngineBase : public TransferEngine {
   std::string errMsg_;
 
   std::atomic<bool> stop_{false};
-  std::atomic<int> activeWaiters_{0};
   std::thread progress_;
 };
 
