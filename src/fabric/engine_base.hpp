@@ -120,7 +120,7 @@ class EngineBase : public TransferEngine {
   /// Immediates each imm-carrying operation delivers to the receiver (numNics when sharding by bytes, else 1).
   uint32_t piecesPerImm() const { return piecesPerImm_; }
 
-  /// Drives progress on the calling thread (the progress thread steps back meanwhile, as in waitImm) until done()
+  /// Drives progress on the calling thread (the progress thread polls on meanwhile, as in waitImm) until done()
   /// holds or budgetMs passed; returns done(). Throws the engine's recorded error. For a caller that waits for one of
   /// several events (an immediate, or a peer's notice that it gave up) and so cannot block in waitImm for the whole
   /// timeout.

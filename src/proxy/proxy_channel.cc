@@ -496,7 +496,7 @@ void ProxyChannel::waitFromPeers(Phase phase, uint32_t round, std::vector<uint32
       backoff.pause();
     } else if (!progressed) {
       // A long wait (large rounds): this thread drives the engine itself, so the peers' writes progress without a
-      // hand-off to the progress thread, which steps back meanwhile (one polling thread per rank, not two).
+      // hand-off to the progress thread (which polls on meanwhile: whichever holds the completion queue reads it).
       const uint32_t s0 = senders.front();
       if (driver_ != nullptr) {
         // In slices, so that a peer's notice is seen within milliseconds; the loop above consumes the arrival.
