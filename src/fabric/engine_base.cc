@@ -598,12 +598,12 @@ void EngineBase::progressLoop() {
   uint32_t idle = 0;
   while (!stop_.load(std::memory_order_acquire)) {
     try {
-      // NOTE: it polls while a caller waits too (that caller polls as well). It used to step back for 200 us
-      // whenever a caller waited, which could leave arrivals unread after that caller's wait ended: over shm the
-      // receiver's progress call makes the copy of a large write, so a peer's rows that came while this rank's proxy
-      // thread was between two waits were copied late. Measured (one H200, proxy backend over shm, two ranks under
-      // MPS, decode T = 128, three runs of each alternating): dispatch + combine 1,857-1,977 us (median 1,954)
-      // against 1,897-2,091 us (median 2,073) when stepping back.
+      // NOTE: it polls while a caller waits too (that caller polls as well). Stepping back (a 200 us sleep whenever
+      // a caller waits) leaves arrivals unread after that caller's wait ends: over shm the receiver's progress call
+      // makes the copy of a large write, so a peer's rows that come while this rank's proxy thread is between two
+      // waits are copied late. Measured (one H200, proxy backend over shm, two ranks under MPS, decode T = 128, three
+      // runs of each alternating): dispatch + combine 1,857-1,977 us (median 1,954) against 1,897-2,091 us (median
+      // 2,073) with the step back.
       if (progressOnce()) {
         idle = 0;
       } else if (++idle < 2000) {
