@@ -11,6 +11,7 @@
 
 #include "core/env.hpp"
 #include "core/log.hpp"
+#include "core/polling.hpp"
 
 namespace epcomm {
 namespace fabric {
@@ -263,6 +264,7 @@ void EngineBase::waitUntil(Done done, Describe describe) {
   if (done()) return;
   // While a caller waits it drives progress itself (no thread hand-off on the latency path). The progress thread
   // polls on meanwhile (see progressLoop); whichever of the two holds a completion queue reads it, the other moves on.
+  const DriverMark mark(drivers_);
   const int64_t deadline = nowMs() + timeoutMs_;
   uint32_t idle = 0;
   for (uint64_t iter = 1;; ++iter) {
@@ -283,6 +285,7 @@ void EngineBase::waitUntil(Done done, Describe describe) {
 
 bool EngineBase::driveUntil(const std::function<bool()>& done, int64_t budgetMs) {
   if (done()) return true;
+  const DriverMark mark(drivers_);
   const int64_t deadline = nowMs() + budgetMs;
   uint32_t idle = 0;
   for (uint64_t iter = 1;; ++iter) {
@@ -603,10 +606,13 @@ void EngineBase::progressLoop() {
       // makes the copy of a large write, so a peer's rows that come while this rank's proxy thread is between two
       // waits are copied late. Measured (one H200, proxy backend over shm, two ranks under MPS, decode T = 128, three
       // runs of each alternating): dispatch + combine 1,857-1,977 us (median 1,954) against 1,897-2,091 us (median
-      // 2,073) with the step back.
-      if (progressOnce()) {
-        idle = 0;
-      } else if (++idle < 2000) {
+      // 2,073) with the step back. With cores to spare a caller driving progress also counts as activity (its wait
+      // may hold the completion queue for a whole copy), so the 50 us sleeps below begin only once no caller waits;
+      // on a small machine they begin after the idle polls as before (more polling there slowed the host backend).
+      const bool worked = progressOnce();
+      if (worked || (coresToSpare() && drivers_.load(std::memory_order_relaxed) > 0)) idle = 0;
+      if (worked) continue;
+      if (++idle < 2000) {
         sched_yield();
       } else {
         // NOTE: nobody waits and nothing moved for a while: poll at 20 kHz instead of burning a core.

@@ -212,6 +212,19 @@ class EngineBase : public TransferEngine {
   void waitUntil(Done done, Describe describe);
   void progressLoop();
 
+  /// Callers inside waitUntil / driveUntil (they drive progress themselves); the progress thread keeps polling while
+  /// there is one.
+  std::atomic<uint32_t> drivers_{0};
+  struct DriverMark {
+    explicit DriverMark(std::atomic<uint32_t>& n) : n_(n) { n_.fetch_add(1, std::memory_order_relaxed); }
+    ~DriverMark() { n_.fetch_sub(1, std::memory_order_relaxed); }
+    DriverMark(const DriverMark&) = delete;
+    DriverMark& operator=(const DriverMark&) = delete;
+
+   private:
+    std::atomic<uint32_t>& n_;
+  };
+
   // Immediates: a fixed array for small values (no lock on the hot path), a map for the rest.
   static constexpr uint32_t kDirectImms = 1u << 16;
   std::unique_ptr<std::atomic<uint64_t>[]> immDirect_;

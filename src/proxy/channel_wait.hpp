@@ -10,6 +10,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/polling.hpp"
+
 namespace epcomm {
 namespace proxy {
 
@@ -29,12 +31,13 @@ inline int64_t nowUs() {
 constexpr int64_t kDriveAfterUs = 300;
 
 // Polling pause: yield first (a peer usually answers within microseconds), then sleep so that ranks sharing few
-// cores do not starve each other's progress threads.
+// cores do not starve each other's progress threads. With cores to spare (core/polling.hpp) it yields for longer, past
+// kDriveAfterUs, so that an arrival within that window is seen at once instead of after a 20 us sleep.
 class Backoff {
  public:
   void pause() {
     ++n_;
-    if (n_ < 64) {
+    if (n_ < (coresToSpare() ? 1024u : 64u)) {
       std::this_thread::yield();
     } else {
       std::this_thread::sleep_for(std::chrono::microseconds(n_ < 2048 ? 20 : 200));
