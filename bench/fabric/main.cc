@@ -37,6 +37,8 @@ struct Args {
   int port = 47700;
   uint64_t crossSize = 8ull << 20;  ///< bytes each rank writes to the other in the crossing mode (0: skip it)
   double crossSkewUs = 20;          ///< how much later rank 1 posts than rank 0 in the crossing mode
+  uint64_t crossPieces = 1;         ///< crossing mode: writes per round, each size / pieces bytes with an immediate
+  double crossPaceUs = 0;           ///< crossing mode: piece j is posted j * pace us after the first (a pack's rate)
 };
 
 struct Row {
@@ -112,7 +114,9 @@ uint64_t itersFor(uint64_t size, double seconds, double assumedGBps) {
 // rank 0 (as two ranks of an all-to-all whose kernels finish a little apart), and wait for the peer's write and their
 // own completion. What it shows: whether a post waits while the engine moves the peer's incoming bytes (a provider
 // that copies inside its progress call, like shm's CMA read of a large write). Row: round time and rank 1's post
-// call, medians.
+// call, medians. With pieces > 1 each rank splits its bytes into that many writes, each with an immediate, posted
+// `pace` us apart (as a kernel that hands over its rows in pieces while it packs): whether the provider moves pieces
+// as fast as one write (the round against the one-write round of the same size).
 Row crossing(const Args& a, fg::Comm& comm, TransferEngine& engine, PeerId peer, const MemoryRegion& region,
              const MemoryDesc& remote, const std::string& prov) {
   const uint64_t size = a.crossSize;
@@ -128,11 +132,21 @@ Row crossing(const Args& a, fg::Comm& comm, TransferEngine& engine, PeerId peer,
       while (std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() < a.crossSkewUs) {
       }
     }
+    const uint64_t n = a.crossPieces, piece = size / n;
     const auto p0 = std::chrono::steady_clock::now();
-    engine.write(peer, region, 0, remote, a.maxSize, size, true, 5, c);
-    const auto p1 = std::chrono::steady_clock::now();
-    engine.waitImm(5, 1, "crossing write from the peer");
-    engine.waitCounter(done, i + 1, "crossing write's local completion");
+    auto p1 = p0;
+    for (uint64_t j = 0; j < n; ++j) {
+      if (j > 0) {
+        while (std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - p0).count() <
+               a.crossPaceUs * static_cast<double>(j)) {
+        }
+      }
+      const uint64_t off = j * piece, len = j + 1 == n ? size - off : piece;
+      engine.write(peer, region, off, remote, a.maxSize + off, len, true, 5, c);
+      if (j == 0) p1 = std::chrono::steady_clock::now();
+    }
+    engine.waitImm(5, n, "crossing write from the peer");
+    engine.waitCounter(done, (i + 1) * n, "crossing write's local completion");
     const auto t1 = std::chrono::steady_clock::now();
     if (i < 3) continue;  // warm-up
     round.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
@@ -267,7 +281,8 @@ void usage() {
   std::printf(
       "usage: epcomm-fabric-bench [--provider tcp,shm] [--min 8] [--max 67108864] [--inflight 8]\n"
       "                           [--seconds 0.25] [--rev REV] [--json FILE] [--no-baseline] [--port 47700]\n"
-      "                           [--cross-size 8388608 (0: no crossing rows)] [--cross-skew-us 20]\n");
+      "                           [--cross-size 8388608 (0: no crossing rows)] [--cross-skew-us 20]\n"
+      "                           [--cross-pieces 1] [--cross-pace-us 0]\n");
 }
 
 }  // namespace
@@ -308,12 +323,17 @@ int main(int argc, char** argv) {
       a.crossSize = std::strtoull(val().c_str(), nullptr, 10);
     } else if (k == "--cross-skew-us") {
       a.crossSkewUs = std::atof(val().c_str());
+    } else if (k == "--cross-pieces") {
+      a.crossPieces = std::strtoull(val().c_str(), nullptr, 10);
+    } else if (k == "--cross-pace-us") {
+      a.crossPaceUs = std::atof(val().c_str());
     } else {
       usage();
       return k == "--help" || k == "-h" ? 0 : 2;
     }
   }
-  if (a.minSize == 0 || a.maxSize < a.minSize || a.inflight < 1 || a.crossSize > a.maxSize) {
+  if (a.minSize == 0 || a.maxSize < a.minSize || a.inflight < 1 || a.crossSize > a.maxSize || a.crossPieces < 1 ||
+      a.crossPieces > std::max<uint64_t>(1, a.crossSize)) {
     usage();
     return 2;
   }
@@ -366,10 +386,10 @@ int main(int argc, char** argv) {
   for (const Row& r : all) {
     if (r.mode != "crossing") continue;
     std::printf(
-        "%-12s %9s | crossing writes, rank 1 posts %.0f us after rank 0: round %.1f us (%.3f Gb/s each way), "
-        "rank 1's post call %.1f us\n",
-        r.provider.substr(0, r.provider.find(';')).c_str(), sizeText(r.size).c_str(), a.crossSkewUs, r.latencyUs,
-        r.gbps, r.postUs);
+        "%-12s %9s | crossing writes in %llu piece(s) %.0f us apart, rank 1 posts %.0f us after rank 0: round %.1f us "
+        "(%.3f Gb/s each way), rank 1's first post call %.1f us\n",
+        r.provider.substr(0, r.provider.find(';')).c_str(), sizeText(r.size).c_str(),
+        static_cast<unsigned long long>(a.crossPieces), a.crossPaceUs, a.crossSkewUs, r.latencyUs, r.gbps, r.postUs);
   }
   std::FILE* json = a.json.empty() ? nullptr : std::fopen(a.json.c_str(), "a");
   for (const Row& r : all) {
