@@ -142,9 +142,10 @@ TEST_P(ProxyGpu, TraceOn) {
       ++rounds;
       // The stamps of one round in the order the round takes them: each after the one before.
       long long last = 0;
-      for (const char* name : {"packStart", "packReady", "proxySeen", "proxyPosting", "proxyPosted", "proxyArrived",
-                               "unpackStart", "unpackEnd", "combStart", "combReady", "combSeen", "combPosting",
-                               "combPosted", "combArrived", "sumStart", "sumEnd"}) {
+      for (const char* name :
+           {"packStart",    "routeEnd",    "packEntered", "packReady",   "proxySeen", "proxyPosting", "proxyPosted",
+            "proxyArrived", "unpackStart", "rankEnd",     "copyEntered", "unpackEnd", "combStart",    "combReady",
+            "combSeen",     "combPosting", "combPosted",  "combArrived", "sumStart",  "sumEnd"}) {
         const std::string key = std::string("\"") + name + "\":";
         const size_t at = line.find(key);
         ASSERT_NE(at, std::string::npos) << name << " in " << line;

@@ -146,7 +146,10 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRouteKernel(const Dispat
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) __threadfence_system();  // the heads (host memory) before the pack kernel's signal
+  if (threadIdx.x == 0) {
+    __threadfence_system();  // the heads (host memory) before the pack kernel's signal
+    stamp(st, round, &TraceRound::routeEnd);
+  }
 }
 
 // Many blocks: one warp per (own token, kChunkBytes of its payload) loads that chunk of x once (and, for the first
@@ -161,6 +164,7 @@ __global__ void __launch_bounds__(kCopyThreads) dispatchPackKernel(const Dispatc
   const proxy::ProtocolSizes& s = a.sizes;
   const uint32_t K = s.expertsPerToken, L = s.numLocalExperts, D = s.dpSize, me = s.rank;
   const uint32_t round = *seqWord(st, kSeqDispatchSend);
+  if (blockIdx.x == 0 && threadIdx.x == 0) stamp(st, round, &TraceRound::packEntered);
   const uint32_t bound = *reinterpret_cast<const uint32_t*>(st.scratch + st.sg.offBound);
   const int32_t* experts = reinterpret_cast<const int32_t*>(st.scratch + st.sg.offExperts);
   const uint32_t* entryOf = reinterpret_cast<const uint32_t*>(st.scratch + st.sg.offEntryOf);
@@ -456,7 +460,10 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRankKernel(const Dispatc
     for (uint32_t i = lane; i < count; i += 32) rows[i] = row[rows[i]]++;
     __syncwarp();
   }
-  lastBlock(st, kSeqDispatchRecv, [&] { *seqWord(st, kSeqDispatchRecv) = round + 1; });
+  lastBlock(st, kSeqDispatchRecv, [&] {
+    *seqWord(st, kSeqDispatchRecv) = round + 1;
+    stamp(st, round, &TraceRound::rankEnd);
+  });
 }
 
 // Many blocks: one warp per (received entry, kChunkBytes of its payload) copies that chunk from host memory (fabric
@@ -469,6 +476,9 @@ __global__ void __launch_bounds__(kCopyThreads) dispatchCopyKernel(const Dispatc
   const TableGeometry& tg = a.tg;
   const uint32_t W = s.worldSize;
   if (blockHalted(st)) return;  // the rank kernel gave up: the tables are not this round's
+  if (st.trace != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+    stamp(st, *seqWord(st, kSeqDispatchRecv) - 1, &TraceRound::copyEntered);  // the rank kernel advanced it
+  }
   uint32_t* overflowStart = entryStart + W + 1;
   const uint32_t* tables = deviceTables(st);
   for (uint32_t i = threadIdx.x; i <= W; i += blockDim.x) {

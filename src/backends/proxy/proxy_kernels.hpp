@@ -58,6 +58,10 @@ struct TraceRound {
   uint64_t combArrived;   ///< host: every owner's rows in, combineArrived stored
   uint64_t sumStart;      ///< device: combine-recv saw combineArrived
   uint64_t sumEnd;        ///< device: combine-recv's last block finished
+  uint64_t routeEnd;      ///< device: the dispatch route kernel finished (heads stored and fenced)
+  uint64_t packEntered;   ///< device: the dispatch pack kernel's block 0 began
+  uint64_t rankEnd;       ///< device: the rank kernel's last block finished
+  uint64_t copyEntered;   ///< device: the copy kernel's block 0 began
 };
 constexpr uint32_t kTraceRounds = 1024;  ///< ring of per-round records (round % kTraceRounds)
 

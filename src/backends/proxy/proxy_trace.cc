@@ -29,6 +29,9 @@ struct Phase {
 
 const Phase kPhases[] = {
     {"dispatch: kernel pack (route + pack)", &TraceRound::packStart, &TraceRound::packReady, "gpu"},
+    {"dispatch:   route kernel", &TraceRound::packStart, &TraceRound::routeEnd, "gpu"},
+    {"dispatch:   route end -> pack kernel begins", &TraceRound::routeEnd, &TraceRound::packEntered, "gpu"},
+    {"dispatch:   pack kernel", &TraceRound::packEntered, &TraceRound::packReady, "gpu"},
     {"dispatch: proxy sees the flag", &TraceRound::packReady, &TraceRound::proxySeen, "gpu->host"},
     {"dispatch: proxy post (flag seen -> heads posted)", &TraceRound::proxySeen, &TraceRound::proxyPosted, "host"},
     {"dispatch:   channel (flag seen -> post call begins)", &TraceRound::proxySeen, &TraceRound::proxyPosting, "host"},
@@ -38,6 +41,9 @@ const Phase kPhases[] = {
      "host"},
     {"dispatch: kernel sees arrival", &TraceRound::proxyArrived, &TraceRound::unpackStart, "host->gpu"},
     {"dispatch: kernel unpack (rank + copy)", &TraceRound::unpackStart, &TraceRound::unpackEnd, "gpu"},
+    {"dispatch:   rank kernel (arrival seen -> last block)", &TraceRound::unpackStart, &TraceRound::rankEnd, "gpu"},
+    {"dispatch:   rank end -> copy kernel begins", &TraceRound::rankEnd, &TraceRound::copyEntered, "gpu"},
+    {"dispatch:   copy kernel", &TraceRound::copyEntered, &TraceRound::unpackEnd, "gpu"},
     {"combine: kernel pack", &TraceRound::combStart, &TraceRound::combReady, "gpu"},
     {"combine: proxy sees the flag", &TraceRound::combReady, &TraceRound::combSeen, "gpu->host"},
     {"combine: proxy post (flag seen -> rows posted)", &TraceRound::combSeen, &TraceRound::combPosted, "host"},
@@ -104,6 +110,8 @@ std::string traceDump(const std::string& prefix, const TraceRound* ring, uint64_
       {"combSeen", &TraceRound::combSeen, false},       {"combPosting", &TraceRound::combPosting, false},
       {"combPosted", &TraceRound::combPosted, false},   {"combArrived", &TraceRound::combArrived, false},
       {"sumStart", &TraceRound::sumStart, true},        {"sumEnd", &TraceRound::sumEnd, true},
+      {"routeEnd", &TraceRound::routeEnd, true},        {"packEntered", &TraceRound::packEntered, true},
+      {"rankEnd", &TraceRound::rankEnd, true},          {"copyEntered", &TraceRound::copyEntered, true},
   };
   // Rounds in the order they ran: the ring holds the last n of `rounds`.
   for (uint64_t round = rounds - n; round < rounds; ++round) {
