@@ -113,6 +113,23 @@ TEST_P(ProxyGpu, OverflowPath) {
   runAll(2, {p});
 }
 
+// Beyond the kernels' fast paths: E > 384 (the route kernel's counts in the scratch, not shared memory) with K > 32
+// (the first expert of each owner found by looking back, not by a warp match) on three ranks; tables over 32 KiB
+// (E = 4096 on two ranks: the rank kernel reads them from host memory where it uses them).
+TEST_P(ProxyGpu, LargeExpertCountsAndTopK) {
+  Scenario wide = base(3);
+  wide.experts = 1032;
+  wide.topK = 40;
+  wide.masked = true;
+  Scenario big = base(2);
+  big.experts = 4096;
+  big.layout = Layout::kPacked;
+  big.masked = true;
+  big.seed = 9;
+  runAll(3, {wide});
+  runAll(2, {big});
+}
+
 // SPEC's decode shape on two ranks: 256 experts, top-8, 128 tokens of 7168 fp8 bytes and 56 fp32 scales.
 TEST_P(ProxyGpu, DecodeShape) {
   Scenario s = gputest::decodeShape(base(2));

@@ -106,6 +106,21 @@ __device__ __forceinline__ void prefetchL2(const void* p, uint32_t bytes) {
 #endif
 }
 
+/// Programmatic dependent launch (sm_90): a kernel launched with cudaLaunchAttributeProgrammaticStreamSerialization
+/// may be scheduled while the kernel before it in the stream still runs. waitPreviousGrid() blocks until that kernel
+/// has finished and its memory is visible; allowDependentGrids() lets the next kernel be scheduled once every block
+/// of this one has called it or exited. Both do nothing for kernels launched without the attribute, and on older GPUs.
+__device__ __forceinline__ void waitPreviousGrid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allowDependentGrids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 /// Lanes below this one in the warp, as a mask.
 __device__ __forceinline__ uint32_t laneMaskLt() {
   uint32_t m;

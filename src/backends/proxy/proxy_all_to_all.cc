@@ -158,8 +158,8 @@ ProxyAllToAll::Impl::Impl(const Config& c, Bootstrap& bootstrap, const proxy::Ch
     std::memset(static_cast<void*>(mailbox), 0, sizeof(Mailbox));
     mailboxDev = reinterpret_cast<Mailbox*>(mapped(mailbox));
     EPCOMM_CHECK_CUDA(
-        cudaHostAlloc(reinterpret_cast<void**>(&tables), 4ull * tg.words, cudaHostAllocMapped | cudaHostAllocPortable));
-    std::memset(tables, 0, 4ull * tg.words);
+        cudaHostAlloc(reinterpret_cast<void**>(&tables), tableBytes(tg), cudaHostAllocMapped | cudaHostAllocPortable));
+    std::memset(tables, 0, tableBytes(tg));
     view.tables = reinterpret_cast<const uint32_t*>(mapped(tables));
     if (tracing) {
       EPCOMM_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&trace), sizeof(TraceRound) * kTraceRounds,
@@ -567,7 +567,7 @@ const Config& ProxyAllToAll::config() const { return impl_->config; }
 
 uint64_t ProxyAllToAll::bufferBytes() const {
   const Impl& m = *impl_;
-  return m.channel->bufferBytes() + sizeof(Mailbox) + 4ull * m.tg.words + m.sg.bytes + m.lg.bytes +
+  return m.channel->bufferBytes() + sizeof(Mailbox) + tableBytes(m.tg) + m.sg.bytes + m.lg.bytes +
          (m.trace != nullptr ? sizeof(TraceRound) * kTraceRounds : 0);
 }
 

@@ -17,6 +17,7 @@ namespace {
 // each (token, k) among d's rows of e (combine finds its rows with them); for this rank's own tokens, the entry index
 // of each (token, owner) in the owner's send slot; and the head (expertCounts, entryCounts) into every send slot.
 __global__ void __launch_bounds__(kRankThreads) dispatchRouteKernel(const DispatchSendArgs a) {
+  allowDependentGrids();  // the pack kernel's blocks may be scheduled now; they wait for this kernel to finish
   const DeviceState& st = a.st;
   if (blockHalted(st)) return;
   const proxy::ProtocolSizes& s = a.sizes;
@@ -29,7 +30,8 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRouteKernel(const Dispat
   int32_t* experts = reinterpret_cast<int32_t*>(st.scratch + st.sg.offExperts);
   uint64_t* pos = reinterpret_cast<uint64_t*>(st.scratch + st.sg.offPos);
   uint32_t* entryOf = reinterpret_cast<uint32_t*>(st.scratch + st.sg.offEntryOf);
-  uint32_t* hist = reinterpret_cast<uint32_t*>(st.scratch + st.sg.offHist);
+  extern __shared__ uint32_t shHist[];  // routeSharedBytes(): the per-warp counts, when they fit
+  uint32_t* hist = routeSharedBytes(s) != 0 ? shHist : reinterpret_cast<uint32_t*>(st.scratch + st.sg.offHist);
 
   auto load = [&](uint32_t t, uint32_t k) {
     return decodeIndex(a.indices, a.indexKind,
@@ -110,21 +112,31 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRouteKernel(const Dispat
     uint32_t* row = hist + w * W;
     for (uint32_t p = lane; p < W; p += 32) row[p] = 0;
     __syncwarp();
-    // The first k of each owner among the token's experts (k order, as the host loop's first-use order).
-    auto firstOfOwner = [&](uint32_t t, uint32_t k, int32_t e) {
-      const uint32_t o = static_cast<uint32_t>(e) / L;
-      for (uint32_t j = 0; j < k; ++j) {
-        const int32_t f = experts[t * K + j];
-        if (f >= 0 && static_cast<uint32_t>(f) / L == o) return false;
+    // The first k of each owner among the token's experts (k order, as the host loop's first-use order). With
+    // K <= 32 lane k holds (t, k) and the lanes of one owner find each other with one match (the lowest is the first);
+    // larger K looks back over j < k. Called by every lane of the warp (uniform loop bounds).
+    auto forFirstOfOwner = [&](uint32_t t, auto&& f) {
+      if (K <= 32) {
+        const int32_t e = lane < K ? experts[t * K + lane] : -1;
+        const uint32_t owner = e >= 0 ? static_cast<uint32_t>(e) / L : ~0u;
+        const uint32_t same = __match_any_sync(0xffffffffu, owner);
+        if (e >= 0 && (same & device::laneMaskLt()) == 0) f(lane, owner);
+        return;
       }
-      return true;
-    };
-    for (uint32_t i = begin; i < end; ++i) {
-      const uint32_t t = d + i * D;
       for (uint32_t k = lane; k < K; k += 32) {
         const int32_t e = experts[t * K + k];
-        if (e >= 0 && firstOfOwner(t, k, e)) ++row[static_cast<uint32_t>(e) / L];
+        if (e < 0) continue;
+        const uint32_t o = static_cast<uint32_t>(e) / L;
+        bool first = true;
+        for (uint32_t j = 0; j < k && first; ++j) {
+          const int32_t g = experts[t * K + j];
+          first = !(g >= 0 && static_cast<uint32_t>(g) / L == o);
+        }
+        if (first) f(k, o);
       }
+    };
+    for (uint32_t i = begin; i < end; ++i) {
+      forFirstOfOwner(d + i * D, [&](uint32_t, uint32_t o) { ++row[o]; });  // one lane per owner
       __syncwarp();
     }
     __syncthreads();
@@ -138,10 +150,7 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRouteKernel(const Dispat
     }
     for (uint32_t i = begin; i < end; ++i) {
       const uint32_t t = d + i * D;
-      for (uint32_t k = lane; k < K; k += 32) {
-        const int32_t e = experts[t * K + k];
-        if (e >= 0 && firstOfOwner(t, k, e)) entryOf[t * K + k] = row[static_cast<uint32_t>(e) / L]++;
-      }
+      forFirstOfOwner(t, [&](uint32_t k, uint32_t o) { entryOf[t * K + k] = row[o]++; });
       __syncwarp();
     }
   }
@@ -159,6 +168,7 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRouteKernel(const Dispat
 // chunk's warp writes the scales and the metadata. The last block raises this rank's dispatch flag in every node rank's
 // region, then signals dispatchReady.
 __global__ void __launch_bounds__(kCopyThreads) dispatchPackKernel(const DispatchSendArgs a) {
+  waitPreviousGrid();  // launched while the route kernel runs: its experts, entries and heads first
   const DeviceState& st = a.st;
   if (blockHalted(st)) return;
   const proxy::ProtocolSizes& s = a.sizes;
@@ -336,11 +346,14 @@ __device__ __forceinline__ void decodeMeta(const DispatchRecvArgs& a, uint32_t s
 // tokens of that expert. Block 0 also writes outExpertNumTokens. Counts that disagree with src's head are recorded as
 // a corrupt receive buffer.
 //
-// Host memory is a PCIe round trip away (several us under MPS), so the reads are issued together: one pass in which
-// every thread issues all its loads before using any (its share of the device copy of the tables; le = thread's slot
-// offsets and row base; src's entry count and overflow start; the metadata of the entry j = thread in src's private
-// area, speculatively, before the count is known), then a second pass for entries beyond the private area (overflow)
-// only. Everything after that reads device memory.
+// Host memory is a PCIe round trip away (several us under MPS), and one SM has only so many reads of it in flight,
+// so the reads are few, wide and issued together. Tables up to kRankSharedTableBytes (every decode configuration):
+// one pass in which every thread issues all its loads before using any (up to two 16-byte words of the tables into
+// shared memory, this block's share of them into the device copy; the metadata of the entry j = thread in src's
+// private area, speculatively, before the count is known); everything else comes from shared memory. Larger tables:
+// the same pass with 4-byte loads of what this thread uses (its share of the device copy; le = thread's slot offsets
+// and row base; src's entry count and overflow start). Then a second pass for entries beyond the private area
+// (overflow) only. Everything after that reads device memory.
 __global__ void __launch_bounds__(kRankThreads) dispatchRankKernel(const DispatchRecvArgs a) {
   const DeviceState& st = a.st;
   const proxy::ProtocolSizes& s = a.sizes;
@@ -348,6 +361,7 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRankKernel(const Dispatc
   const uint32_t L = s.numLocalExperts, W = s.worldSize, me = s.rank, src = blockIdx.x, tid = threadIdx.x;
   __shared__ int ok;
   __shared__ uint32_t shN, shOverflow;
+  extern __shared__ int4 shTables[];  // rankSharedBytes(): the whole tables, when they fit
   const uint32_t round = *seqWord(st, kSeqDispatchRecv);
   if (tid == 0) {
     ok = !deviceHalted(st) &&
@@ -357,56 +371,109 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRankKernel(const Dispatc
   }
   __syncthreads();
   if (!ok) return;
+  // The copy kernel's blocks may be scheduled now (not before the arrival: while this kernel waits, the SMs stay free
+  // for the caller's other work); they wait for this kernel to finish.
+  allowDependentGrids();
   const uint32_t* tables = a.ch.tables;
   uint32_t* copy = reinterpret_cast<uint32_t*>(st.scratch + st.sg.offTables);  // for the kernels after this one
-  const uint32_t* slotOffset = tables + tg.offSlotOffset;
   const uint32_t spec = min(s.privateTokens, s.maxSendTokens);  // entries read before their count is known
   const uint32_t metaWords = min(kMetaWords, (proxy::kEntryExpertsOffset + 2 * s.maxLocalPerEntry + 3) / 4);
   const bool metaVec = s.metaOffset % 16 == 0;
-  const uint32_t copyStride = gridDim.x * blockDim.x;
-  const uint32_t passes = max(1u, max(max((L + blockDim.x - 1) / blockDim.x, (spec + blockDim.x - 1) / blockDim.x),
-                                      (tg.words + copyStride - 1) / copyStride));
-  uint32_t myFirst = 0, myNext = 0, myBase = 0;  // le = tid (pass 0)
-  for (uint32_t pass = 0; pass < passes; ++pass) {
-    const uint32_t i = pass * blockDim.x + tid;
-    const uint32_t ci = pass * copyStride + blockIdx.x * blockDim.x + tid;
-    const uint8_t* meta = i < spec ? entryAt(a, src, i, 0) + s.metaOffset : nullptr;  // private: no overflow start
-    uint32_t cv = 0, f = 0, nx = 0, b = 0, lr = 0, nv = 0, ov = 0;
+  const bool inShared = rankSharedBytes(tg) != 0;
+  const uint32_t* tv = inShared ? reinterpret_cast<const uint32_t*>(shTables) : tables;  // where le's values are
+  uint32_t myFirst = 0, myNext = 0, myBase = 0;  // le = tid (larger tables: kept from the first pass)
+  if (inShared) {
+    static_assert(kRankSharedTableBytes <= 2 * 16 * kRankThreads, "two 16-byte words of the tables per thread");
+    const uint32_t quads = static_cast<uint32_t>(tableBytes(tg) / 16);
+    const int4* t4 = reinterpret_cast<const int4*>(tables);
+    int4* c4 = reinterpret_cast<int4*>(copy);
+    const uint8_t* meta = tid < spec ? entryAt(a, src, tid, 0) + s.metaOffset : nullptr;
+    int4 q[2];
     uint32_t mw[kMetaWords];
     // Loads: none of them waits for another.
-    if (ci < tg.words) cv = ldVolatileU32(tables + ci);
-    if (i < L) {
-      f = ldVolatileU32(slotOffset + i * (W + 1) + src);
-      nx = ldVolatileU32(slotOffset + i * (W + 1) + src + 1);
-      b = ldVolatileU32(tables + tg.offOutputRowBase + i);
-      if (src == 0) lr = ldVolatileU32(tables + tg.offLocalRows + i);
+#pragma unroll
+    for (uint32_t h = 0; h < 2; ++h) {
+      if (tid + h * blockDim.x < quads) q[h] = ldVolatile16(t4 + tid + h * blockDim.x);
     }
     if (meta != nullptr) loadMeta(meta, metaWords, metaVec, mw);
-    if (pass == 0 && tid == 0) {
-      nv = ldVolatileU32(tables + tg.offEntries + src);
-      ov = ldVolatileU32(tables + tg.offOverflowStart + src);
-    }
-    // Uses.
-    if (ci < tg.words) copy[ci] = cv;
-    if (i < L) {
-      if (pass == 0) {
-        myFirst = f;
-        myNext = nx;
-        myBase = b;
-      }
-      if (src == 0) a.outNumTokens[i] = static_cast<int32_t>(lr);
-    }
-    if (pass == 0 && tid == 0) {
-      if (nv > s.maxSendTokens) {
-        recordError(st, kPhaseCorruptEntry, static_cast<int32_t>(me), static_cast<int32_t>(src), nv, s.maxSendTokens,
-                    true);
-        nv = 0;
-      }
-      shN = nv;
-      shOverflow = ov;
+      // Uses.
+#pragma unroll
+    for (uint32_t h = 0; h < 2; ++h) {
+      const uint32_t at = tid + h * blockDim.x;
+      if (at >= quads) continue;
+      shTables[at] = q[h];
+      if (at % gridDim.x == src) c4[at] = q[h];  // the device copy: quads src, src + W, ...
     }
     __syncthreads();
-    if (meta != nullptr && i < shN) decodeMeta(a, src, i, meta, mw);
+    uint32_t nv = tv[tg.offEntries + src];
+    if (nv > s.maxSendTokens) {
+      if (tid == 0) {
+        recordError(st, kPhaseCorruptEntry, static_cast<int32_t>(me), static_cast<int32_t>(src), nv, s.maxSendTokens,
+                    true);
+      }
+      nv = 0;
+    }
+    if (tid == 0) {
+      shN = nv;
+      shOverflow = tv[tg.offOverflowStart + src];
+    }
+    if (src == 0) {
+      for (uint32_t le = tid; le < L; le += blockDim.x)
+        a.outNumTokens[le] = static_cast<int32_t>(tv[tg.offLocalRows + le]);
+    }
+    if (meta != nullptr && tid < nv) decodeMeta(a, src, tid, meta, mw);
+    for (uint32_t j = tid + blockDim.x; j < min(spec, nv); j += blockDim.x) {  // a private area above kRankThreads
+      const uint8_t* mj = entryAt(a, src, j, 0) + s.metaOffset;
+      loadMeta(mj, metaWords, metaVec, mw);
+      decodeMeta(a, src, j, mj, mw);
+    }
+    __syncthreads();
+  } else {
+    const uint32_t* slotOffset = tables + tg.offSlotOffset;
+    const uint32_t copyStride = gridDim.x * blockDim.x;
+    const uint32_t passes = max(1u, max(max((L + blockDim.x - 1) / blockDim.x, (spec + blockDim.x - 1) / blockDim.x),
+                                        (tg.words + copyStride - 1) / copyStride));
+    for (uint32_t pass = 0; pass < passes; ++pass) {
+      const uint32_t i = pass * blockDim.x + tid;
+      const uint32_t ci = pass * copyStride + blockIdx.x * blockDim.x + tid;
+      const uint8_t* meta = i < spec ? entryAt(a, src, i, 0) + s.metaOffset : nullptr;  // private: no overflow start
+      uint32_t cv = 0, f = 0, nx = 0, b = 0, lr = 0, nv = 0, ov = 0;
+      uint32_t mw[kMetaWords];
+      // Loads: none of them waits for another.
+      if (ci < tg.words) cv = ldVolatileU32(tables + ci);
+      if (i < L) {
+        f = ldVolatileU32(slotOffset + i * (W + 1) + src);
+        nx = ldVolatileU32(slotOffset + i * (W + 1) + src + 1);
+        b = ldVolatileU32(tables + tg.offOutputRowBase + i);
+        if (src == 0) lr = ldVolatileU32(tables + tg.offLocalRows + i);
+      }
+      if (meta != nullptr) loadMeta(meta, metaWords, metaVec, mw);
+      if (pass == 0 && tid == 0) {
+        nv = ldVolatileU32(tables + tg.offEntries + src);
+        ov = ldVolatileU32(tables + tg.offOverflowStart + src);
+      }
+      // Uses.
+      if (ci < tg.words) copy[ci] = cv;
+      if (i < L) {
+        if (pass == 0) {
+          myFirst = f;
+          myNext = nx;
+          myBase = b;
+        }
+        if (src == 0) a.outNumTokens[i] = static_cast<int32_t>(lr);
+      }
+      if (pass == 0 && tid == 0) {
+        if (nv > s.maxSendTokens) {
+          recordError(st, kPhaseCorruptEntry, static_cast<int32_t>(me), static_cast<int32_t>(src), nv, s.maxSendTokens,
+                      true);
+          nv = 0;
+        }
+        shN = nv;
+        shOverflow = ov;
+      }
+      __syncthreads();
+      if (meta != nullptr && i < shN) decodeMeta(a, src, i, meta, mw);
+    }
   }
   const uint32_t n = shN;
   // Entries beyond the private area (in the overflow region, for a fabric sender): a second pass of loads.
@@ -433,10 +500,11 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRankKernel(const Dispatc
   __syncthreads();
   for (uint32_t le = tid; le < L; le += blockDim.x) {
     uint32_t first = myFirst, next = myNext, base = myBase;
-    if (le >= blockDim.x) {  // L > kRankThreads: not kept from the first pass
-      first = ldVolatileU32(slotOffset + le * (W + 1) + src);
-      next = ldVolatileU32(slotOffset + le * (W + 1) + src + 1);
-      base = ldVolatileU32(tables + tg.offOutputRowBase + le);
+    if (inShared || le >= blockDim.x) {  // shared memory, or L > kRankThreads: not kept from the first pass
+      const uint32_t* slotOffset = tv + tg.offSlotOffset;
+      first = inShared ? slotOffset[le * (W + 1) + src] : ldVolatileU32(slotOffset + le * (W + 1) + src);
+      next = inShared ? slotOffset[le * (W + 1) + src + 1] : ldVolatileU32(slotOffset + le * (W + 1) + src + 1);
+      base = inShared ? tv[tg.offOutputRowBase + le] : ldVolatileU32(tv + tg.offOutputRowBase + le);
     }
     uint32_t run = base + first;
     uint32_t c[kRankWarps];  // every load first: one memory round trip, not kRankWarps dependent ones
@@ -470,6 +538,7 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRankKernel(const Dispatc
 // senders) or device memory (node senders; this rank's own entries) into each of the entry's rows; the first chunk's
 // warp copies the scales too. Each warp issues all its loads before its first store: one round trip per work item.
 __global__ void __launch_bounds__(kCopyThreads) dispatchCopyKernel(const DispatchRecvArgs a) {
+  waitPreviousGrid();  // launched while the rank kernel runs: its rows and tables copy first
   const DeviceState& st = a.st;
   extern __shared__ uint32_t entryStart[];  // [W + 1], then overflowStart[W]
   const proxy::ProtocolSizes& s = a.sizes;

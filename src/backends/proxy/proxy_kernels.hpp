@@ -17,6 +17,7 @@
 
 #include "core/combine_type.hpp"
 #include "core/error_record.hpp"
+#include "core/layout.hpp"
 #include "proxy/protocol.hpp"
 
 namespace epcomm {
@@ -138,6 +139,16 @@ inline TableGeometry tableGeometry(const proxy::ProtocolSizes& s) {
   t.words = at;
   return t;
 }
+/// The round tables in bytes, in whole 16-byte words: the rank kernel loads them 16 bytes at a time (the padding is
+/// never read as a table). Both the host-mapped tables and the scratch's device copy have this size.
+EPCOMM_HD uint64_t tableBytes(const TableGeometry& t) { return 16ull * ((t.words + 3u) / 4u); }
+/// Tables up to this size the rank kernel loads whole into shared memory, in one pass of 16-byte loads from host
+/// memory; larger ones it reads where it uses them (4-byte loads: more PCIe requests from one SM).
+constexpr uint64_t kRankSharedTableBytes = 32768;
+/// Dynamic shared memory of the rank kernel: the tables, or 0 when they do not fit.
+EPCOMM_HD uint64_t rankSharedBytes(const TableGeometry& t) {
+  return tableBytes(t) <= kRankSharedTableBytes ? tableBytes(t) : 0;
+}
 
 /// Same-node peers over NVLink (EPCOMM_PROXY_LOCAL_SIZE > 1; ranks are grouped by node, rank / size). Every rank of a
 /// node allocates one region of device memory (cudaMalloc), exports it with a CUDA IPC handle over the bootstrap and
@@ -182,6 +193,12 @@ inline LocalGeometry localGeometry(const proxy::ProtocolSizes& s, uint32_t size,
 
 /// Warps of the single-block ranking kernels (route, rank): each takes a contiguous chunk of the tokens (entries).
 constexpr uint32_t kRankWarps = 32;
+/// Dynamic shared memory of the route kernel: its per-warp counts (u32 [kRankWarps][max(E, W)]) when they fit in
+/// 48 KiB (max(E, W) <= 384), else 0 and they stay in the scratch (offHist).
+EPCOMM_HD uint64_t routeSharedBytes(const proxy::ProtocolSizes& s) {
+  const uint64_t bytes = 4ull * kRankWarps * (s.numExperts > s.worldSize ? s.numExperts : s.worldSize);
+  return bytes <= 49152 ? bytes : 0;
+}
 
 /// Device scratch of one object (cudaMalloc), by offsets in bytes from its base.
 struct ScratchGeometry {
@@ -198,7 +215,7 @@ struct ScratchGeometry {
   uint64_t offRecvHist;  ///< u32 [W][kRankWarps][L]: per-chunk counts of the rank kernel (one block per sender)
   uint64_t offEntryN;    ///< u32 [W][maxSend]: local experts each received entry names
   uint64_t offRowOf;     ///< u32 [W][maxSend][maxLocalPerEntry]: output row of each received entry's experts
-  uint64_t offTables;    ///< u32 [TableGeometry::words]: the rank kernel's device copy of the round's tables, which
+  uint64_t offTables;    ///< tableBytes(): the rank kernel's device copy of the round's tables, which
                          ///< the copy and combine kernels read (one PCIe read per word per round, not per block)
   uint64_t offLocal;     ///< pointer [localSize]: the node ranks' regions as this process maps them (LocalGeometry)
   /// Without the NVLink path (localSize 0), this rank's own entries and combine rows stay in device memory (with it,
@@ -242,7 +259,7 @@ inline ScratchGeometry scratchGeometry(const proxy::ProtocolSizes& s, uint32_t m
   g.offRowOf = at;
   at = align(at + 4ull * s.worldSize * s.maxSendTokens * s.maxLocalPerEntry);
   g.offTables = at;
-  at = align(at + 4ull * tableGeometry(s).words);
+  at = align(at + tableBytes(tableGeometry(s)));
   g.offLocal = at;
   at = align(at + 8ull * localSize);
   const bool own = localSize == 0;

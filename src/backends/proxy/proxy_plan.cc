@@ -66,7 +66,7 @@ std::vector<PlannedBuffer> planProxy(const Config& config) {
       std::to_string(s.combineRecvRows) + " rows (T x K) x " + std::to_string(s.combineRowBytesMax) + " B (fp32)");
   add("mailbox", "host pinned (mapped)", sizeof(gpuproxy::Mailbox),
       "ready / arrived round counters both ways, abort word, kernel error record");
-  add("round tables", "host pinned (mapped)", 4ull * tg.words,
+  add("round tables", "host pinned (mapped)", gpuproxy::tableBytes(tg),
       "u32: entries, offsets and combine row bases of the round, written by the proxy thread");
   add("routing scratch", "device", sg.offHist,
       "round counters, experts i32 [T][K], rows u64 [T][K], entry indices u32 [T][K]");

@@ -30,12 +30,14 @@ namespace epcomm {
 namespace gpuproxy {
 namespace {
 
+using device::allowDependentGrids;
 using device::fenceAcqRelSys;
 using device::globalTimerNs;
 using device::ldAcquireSys;
 using device::ldVolatile16;
 using device::st16;
 using device::stReleaseSys;
+using device::waitPreviousGrid;
 
 constexpr int kSeqDispatchSend = 0;
 constexpr int kSeqDispatchRecv = 1;
