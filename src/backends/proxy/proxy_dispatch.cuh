@@ -396,8 +396,7 @@ __global__ void __launch_bounds__(kRankThreads) dispatchRankKernel(const Dispatc
       if (tid + h * blockDim.x < quads) q[h] = ldVolatile16(t4 + tid + h * blockDim.x);
     }
     if (meta != nullptr) loadMeta(meta, metaWords, metaVec, mw);
-      // Uses.
-#pragma unroll
+    // Uses.
     for (uint32_t h = 0; h < 2; ++h) {
       const uint32_t at = tid + h * blockDim.x;
       if (at >= quads) continue;

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "backends/proxy/proxy_combine.cuh"
 #include "backends/proxy/proxy_dispatch.cuh"
@@ -51,11 +52,27 @@ int launch(const void* fn, uint32_t blocks, uint32_t threads, size_t smem, const
       cudaLaunchKernel(fn, dim3(blocks), dim3(threads), params, smem, static_cast<cudaStream_t>(stream)));
 }
 
+// Whether the current device has programmatic dependent launch (sm_90 and later), asked once per device.
+bool dependentLaunchOk() {
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices];  // 0 not asked yet, 1 yes, -1 no
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kDevices) return false;
+  int k = known[dev].load(std::memory_order_relaxed);
+  if (k == 0) {
+    int major = 0;
+    k = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9 ? 1 : -1;
+    known[dev].store(k, std::memory_order_relaxed);
+  }
+  return k > 0;
+}
+
 // A kernel that depends only on the one launched just before it on the stream (programmatic dependent launch): its
 // blocks may be scheduled while that one still runs (once its blocks allow it: allowDependentGrids) and wait for it in
 // waitPreviousGrid, which saves the launch gap between the two (~2.5 us under MPS). Captured into CUDA graphs as a
-// programmatic edge.
+// programmatic edge. Before sm_90, an ordinary launch.
 int launchAfter(const void* fn, uint32_t blocks, uint32_t threads, size_t smem, const void* args, void* stream) {
+  if (!dependentLaunchOk()) return launch(fn, blocks, threads, smem, args, stream);
   void* params[] = {const_cast<void*>(args)};
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
